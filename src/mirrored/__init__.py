@@ -1,0 +1,38 @@
+"""mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
+
+from mirrored._context import ReplicaContext
+from mirrored._input import DistributedDataset
+from mirrored._losses import compute_average_loss, scale_regularization_loss
+from mirrored._mesh import REPLICA_AXIS
+from mirrored._platform import simulate_cpu_devices
+from mirrored._strategy import (
+    MirroredStrategy,
+    OneDeviceStrategy,
+    Strategy,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from mirrored._values import PerReplica, ReduceOp, ValueContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "DistributedDataset",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "ValueContext",
+    "compute_average_loss",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+    "simulate_cpu_devices",
+]

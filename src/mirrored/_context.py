@@ -1,0 +1,149 @@
+"""Which strategy is current (a context variable) and the replica context inside `run`."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from mirrored._mesh import REPLICA_AXIS
+from mirrored._values import ReduceOp
+
+if TYPE_CHECKING:
+    from mirrored._strategy import Strategy
+
+# The stack of entered scopes, innermost last. A tuple so that every `with` restores exactly
+# the previous value, even across threads and generators.
+_scopes: contextvars.ContextVar[tuple[Strategy, ...]] = contextvars.ContextVar(
+    "mirrored_scopes", default=()
+)
+_replica: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
+    "mirrored_replica", default=None
+)
+
+
+def entered_strategy() -> Strategy | None:
+    """The strategy of the innermost `scope()`, or None outside every scope."""
+    scopes = _scopes.get()
+    return scopes[-1] if scopes else None
+
+
+def push_scope(strategy: Strategy) -> contextvars.Token[tuple[Strategy, ...]]:
+    return _scopes.set((*_scopes.get(), strategy))
+
+
+def pop_scope(token: contextvars.Token[tuple[Strategy, ...]]) -> None:
+    _scopes.reset(token)
+
+
+def current_replica_context() -> ReplicaContext | None:
+    return _replica.get()
+
+
+def enter_replica(ctx: ReplicaContext) -> contextvars.Token[ReplicaContext | None]:
+    return _replica.set(ctx)
+
+
+def exit_replica(token: contextvars.Token[ReplicaContext | None]) -> None:
+    _replica.reset(token)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes over which a traced value may differ between shards (its "vma")."""
+    aval = jax.typeof(x)
+    axes = getattr(aval, "vma", None)
+    if axes is None:  # jax 0.10 spells it aval.mat.varying
+        axes = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(axes)
+
+
+def is_varying(x: Any) -> bool:
+    """Whether `x` may differ between replicas (False: provably identical on all of them)."""
+    return REPLICA_AXIS in varying_axes(x)
+
+
+def _invariant_error(op: ReduceOp, path: str) -> ValueError:
+    effect = "multiply it by the replica count" if op is ReduceOp.SUM else "do nothing"
+    return ValueError(
+        f"all_reduce({op.value!r}) expected a value that differs between replicas, but the "
+        f"value{path} is already identical on every replica (it does not vary over the "
+        f"{REPLICA_AXIS!r} axis), so the reduction would {effect}.\n"
+        "The usual cause is the N× gradient trap: jax.grad / nnx.grad of a per-replica loss "
+        "with respect to MIRRORED parameters already SUMS the gradients of all replicas.\n"
+        "  Wrong:  grads = nnx.grad(loss_fn)(model)\n"
+        "          grads = ctx.all_reduce('MEAN', grads)        # no-op or N× gradients\n"
+        "  Right:  loss = mirrored.compute_average_loss(per_example_loss)  # ÷ GLOBAL batch\n"
+        "          grads = nnx.grad(loss_fn)(model)             # already the global gradient\n"
+        "Fix: drop the all_reduce for values computed only from mirrored state."
+    )
+
+
+class ReplicaContext:
+    """What a replica knows about itself while `strategy.run` executes `fn`.
+
+    Obtained with `mirrored.get_replica_context()` inside the function given to `run`.
+
+    Example:
+        >>> def step(x):
+        ...     ctx = mirrored.get_replica_context()
+        ...     return ctx.all_reduce("SUM", x.sum())  # doctest: +SKIP
+    """
+
+    def __init__(self, strategy: Strategy, *, in_spmd: bool) -> None:
+        self._strategy = strategy
+        self._in_spmd = in_spmd
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> Any:
+        """This replica's index, 0..N-1, as a traced integer (a Python 0 outside `run`)."""
+        if not self._in_spmd:
+            return 0
+        return jax.lax.axis_index(REPLICA_AXIS)
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Combine `value` (a pytree) across all replicas; every replica gets the result.
+
+        Raises:
+            ValueError: when a leaf is already identical on every replica (see the N× trap).
+        """
+        op = ReduceOp.parse(reduce_op)
+        if not self._in_spmd:
+            return value
+        reduce = {
+            ReduceOp.SUM: jax.lax.psum,
+            ReduceOp.MEAN: jax.lax.pmean,
+            ReduceOp.MAX: jax.lax.pmax,
+            ReduceOp.MIN: jax.lax.pmin,
+        }[op]
+
+        def one(path: Any, x: Any) -> Any:
+            if not is_varying(x):
+                where = f" at {jax.tree_util.keystr(path)}" if path else ""
+                raise _invariant_error(op, where)
+            return reduce(x, REPLICA_AXIS)
+
+        return jax.tree_util.tree_map_with_path(one, value)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's `value` (a pytree) along `axis`, in replica order."""
+        if not self._in_spmd:
+            return value
+
+        def one(x: Any) -> Any:
+            if not is_varying(x):
+                x = jax.lax.pcast(x, REPLICA_AXIS, to="varying")
+            return jax.lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True)
+
+        return jax.tree.map(one, value)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(num_replicas_in_sync={self.num_replicas_in_sync})"

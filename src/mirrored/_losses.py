@@ -1,0 +1,69 @@
+"""The loss convention that makes N-replica training equal single-device training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from mirrored import _context
+
+
+def _num_replicas() -> int:
+    ctx = _context.current_replica_context()
+    if ctx is not None:
+        return ctx.num_replicas_in_sync
+    strategy = _context.entered_strategy()
+    return strategy.num_replicas_in_sync if strategy is not None else 1
+
+
+def compute_average_loss(
+    per_example_loss: Any,
+    global_batch_size: int | None = None,
+    sample_weight: Any = None,
+) -> Any:
+    """Sum this replica's per-example losses and divide by the GLOBAL batch size.
+
+    Gradients of mirrored parameters are summed over replicas, so this per-replica loss makes
+    the summed gradient exactly the gradient of the mean loss over the global batch.
+
+    Args:
+        per_example_loss: losses of this replica's examples, leading axis = batch.
+        global_batch_size: examples in the global batch; default: this replica's batch size
+            times `num_replicas_in_sync`.
+        sample_weight: optional weights, broadcast against `per_example_loss`.
+
+    Example:
+        >>> per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)  # doctest: +SKIP
+        >>> loss = mirrored.compute_average_loss(per_example)  # doctest: +SKIP
+    """
+    losses = jnp.asarray(per_example_loss)
+    if losses.ndim == 0:
+        raise ValueError(
+            "compute_average_loss expected per-example losses with a leading batch axis; found a "
+            "scalar. A loss already averaged over this replica's shard, divided again by the "
+            "replica count, would be wrong whenever shards differ in size.\n"
+            "Fix: pass the unreduced losses, e.g. "
+            "optax.softmax_cross_entropy_with_integer_labels(logits, y) without .mean()."
+        )
+    if sample_weight is not None:
+        losses = losses * jnp.asarray(sample_weight, dtype=losses.dtype)
+    if global_batch_size is None:
+        global_batch_size = losses.shape[0] * _num_replicas()
+    elif isinstance(global_batch_size, bool) or (
+        isinstance(global_batch_size, int) and global_batch_size <= 0
+    ):
+        raise ValueError(
+            f"Expected global_batch_size to be a positive int; found {global_batch_size!r}. "
+            "Fix: pass the GLOBAL batch size (per-replica size × num_replicas_in_sync)."
+        )
+    return jnp.sum(losses) / jnp.asarray(global_batch_size, dtype=losses.dtype)
+
+
+def scale_regularization_loss(regularization_loss: Any) -> Any:
+    """Divide a regularization loss by the replica count, so its summed gradient counts once.
+
+    Example:
+        >>> loss = data_loss + mirrored.scale_regularization_loss(1e-4 * l2)  # doctest: +SKIP
+    """
+    return jnp.sum(jnp.asarray(regularization_loss)) / _num_replicas()

@@ -1,0 +1,287 @@
+"""`strategy.run`: one cached SPMD program per call signature, and the fast path that calls it.
+
+The hot path does only what must change per step: flatten the arguments, read the variables'
+current arrays, call a cached `jax.jit(jax.shard_map(...))` of a pure function, write the new
+arrays back. Tracing, graph surgery and validation of the program happen once per signature.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import numbers
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrored import _capture, _context
+from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
+from mirrored._values import PerReplica
+
+if TYPE_CHECKING:
+    from mirrored._strategy import Strategy
+
+logger = logging.getLogger("mirrored")
+
+# Leaf kinds of the flattened (args, kwargs).
+_VARIABLE = "v"  # an nnx.Variable: mirrored state, read and written back
+_MIRRORED = "m"  # a jax.Array identical on every replica
+_SPLIT = "s"  # PerReplica whose leading axis is a split batch
+_STACKED = "k"  # PerReplica with a leading replica axis
+_CONSTANT = "c"  # NumPy array or Python number: the same value on every replica
+_STATIC = "x"  # anything else: part of the program, compared by value
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, nnx.Variable | PerReplica)
+
+
+def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """`strategy.run(model, args=(x,))`: the module travels as an argument, not a capture."""
+    return obj(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    call: Callable[..., Any]
+    out_treedef: Any
+    out_stacked: tuple[bool, ...]
+
+
+class Runner:
+    """Compiles and calls `fn` once per replica, for one strategy."""
+
+    def __init__(self, strategy: Strategy, *, max_in_flight: int) -> None:
+        self._strategy = strategy
+        self._mesh = strategy._mesh
+        self._devices = frozenset(strategy.extended.worker_devices)
+        self._n = strategy.num_replicas_in_sync
+        self._programs: dict[Any, _Program] = {}
+        self._sharding_ok: dict[Any, bool] = {}
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._max_in_flight = max_in_flight
+        self._logged = False
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def is_mirrored(self, x: Any) -> bool:
+        """Whether the jax.Array `x` is fully replicated on exactly this strategy's devices."""
+        sharding = x.sharding
+        ok = self._sharding_ok.get(sharding)
+        if ok is None:
+            ok = sharding.is_fully_replicated and sharding.device_set == self._devices
+            self._sharding_ok[sharding] = ok
+        return ok
+
+    def _not_mirrored_error(self, args: Any, kwargs: Any, bad: Any) -> ValueError:
+        name = "an argument"
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_leaf)[0]:
+            if leaf is bad:
+                where = "args" if path[0].idx == 0 else "kwargs"
+                name = f"{where}{jax.tree_util.keystr(path[1:])}"
+                break
+        value = bad.get_raw_value() if isinstance(bad, nnx.Variable) else bad
+        if isinstance(value, jax.Array):
+            found = "devices " + ", ".join(sorted(str(d) for d in value.sharding.device_set))
+            if not value.sharding.is_fully_replicated:
+                found += f" (sharded as {value.sharding})"
+        else:
+            found = f"a host value of type {type(value).__name__}"
+        return ValueError(
+            f"strategy.run expected mirrored state: every variable and jax.Array argument "
+            f"replicated on this strategy's {self._n} device(s); {name} "
+            f"({type(bad).__name__}) lives on {found}. It was most likely created outside "
+            "strategy.scope().\n"
+            "Fix: create models, optimizers and state inside the scope:\n"
+            "  with strategy.scope():\n"
+            "      model = MyModel(rngs=nnx.Rngs(0))\n"
+            "      optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)\n"
+            "(or pass a NumPy array for a constant input)."
+        )
+
+    def _classify(self, leaf: Any) -> str:
+        if isinstance(leaf, nnx.Variable):
+            value = leaf.get_raw_value()
+            return _VARIABLE if isinstance(value, jax.Array) and self.is_mirrored(value) else ""
+        if isinstance(leaf, jax.Array):
+            return _MIRRORED if self.is_mirrored(leaf) else ""
+        if isinstance(leaf, PerReplica):
+            if leaf.num_replicas != self._n or leaf.global_value.sharding.device_set != self._devices:
+                raise ValueError(
+                    f"strategy.run expected PerReplica values over this strategy's {self._n} "
+                    f"replicas; found one over {leaf.num_replicas} replica(s) on other devices. "
+                    "Fix: distribute inputs with the same strategy that runs the step."
+                )
+            return _STACKED if leaf.stacked else _SPLIT
+        if isinstance(leaf, np.ndarray | np.generic | numbers.Number):
+            return _CONSTANT
+        return _STATIC
+
+    # -- the hot path ---------------------------------------------------------------------------
+
+    def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if _capture.is_state(fn):
+            fn, args = _call_object, (fn, *args)
+        elif isinstance(getattr(fn, "__self__", None), nnx.Module | nnx.Optimizer):
+            fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
+        kinds = "".join([self._classify(leaf) for leaf in leaves])
+        if len(kinds) != len(leaves):
+            bad = next(leaf for leaf in leaves if not self._classify(leaf))
+            raise self._not_mirrored_error(args, kwargs, bad)
+        variables = [leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind == _VARIABLE]
+        # Tied weights: one Variable reachable twice must be one input, updated once.
+        unique = list({id(v): v for v in variables}.values())
+        sharing = () if len(unique) == len(variables) else tuple(map(id, variables))
+        statics = tuple(leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind == _STATIC)
+        key = (fn, treedef, kinds, statics, sharing and _sharing_pattern(sharing))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._compile(fn, args, kwargs, leaves, treedef, kinds, unique)
+            self._programs[key] = program
+        state = [v.get_raw_value() for v in unique]
+        split = [leaf.global_value for leaf, k in zip(leaves, kinds, strict=True) if k in "sk"]
+        rep = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k in "mc"]
+        new_state, outs, token = program.call(state, split, rep)
+        for variable, value in zip(unique, new_state, strict=True):
+            variable.set_raw_value(value)
+        self._bound_dispatch(token)
+        return jax.tree.unflatten(
+            program.out_treedef,
+            [
+                PerReplica(x, num_replicas=self._n, stacked=True) if stacked else x
+                for x, stacked in zip(outs, program.out_stacked, strict=True)
+            ],
+        )
+
+    def _bound_dispatch(self, token: jax.Array) -> None:
+        # Simulated CPU devices deadlock in collectives when too many steps are queued; real
+        # accelerators gain nothing from a deeper queue either.
+        self._in_flight.append(token)
+        while len(self._in_flight) > self._max_in_flight:
+            self._in_flight.popleft().block_until_ready()
+
+    # -- compiling --------------------------------------------------------------------------------
+
+    def _compile(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+        treedef: Any,
+        kinds: str,
+        unique: list[nnx.Variable[Any]],
+    ) -> _Program:
+        captured = _capture.find_captured(fn, self.is_mirrored)
+        if captured:
+            raise _capture.captured_state_error(fn, captured)
+        position = {id(v): i for i, v in enumerate(unique)}
+        # How to rebuild each leaf inside the trace; holds no argument arrays alive.
+        plan = [
+            (kind, position[id(leaf)] if kind == _VARIABLE else leaf if kind == _STATIC else None)
+            for leaf, kind in zip(leaves, kinds, strict=True)
+        ]
+        var_treedefs = [jax.tree.structure(v) for v in unique]
+        fn_name = getattr(fn, "__name__", type(fn).__name__)
+        recorded: dict[str, Any] = {}
+
+        def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+            fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, state, strict=True)]
+            split_it, rep_it = iter(split), iter(rep)
+            rebuilt = []
+            for kind, payload in plan:
+                if kind == _VARIABLE:
+                    rebuilt.append(fresh[payload])
+                elif kind == _SPLIT:
+                    rebuilt.append(next(split_it))
+                elif kind == _STACKED:
+                    rebuilt.append(next(split_it)[0])
+                elif kind in (_MIRRORED, _CONSTANT):
+                    rebuilt.append(next(rep_it))
+                else:
+                    rebuilt.append(payload)
+            call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
+            token = _context.enter_replica(
+                _context.ReplicaContext(self._strategy, in_spmd=True)
+            )
+            try:
+                out = fn(*call_args, **call_kwargs)
+            finally:
+                _context.exit_replica(token)
+            new_state = [v.get_raw_value() for v in fresh]
+            for variable, value in zip(unique, new_state, strict=True):
+                if _context.is_varying(value):
+                    raise _diverged_error(fn_name, args, kwargs, variable)
+            out_leaves, out_treedef = jax.tree.flatten(out)
+            out_leaves = [jnp.asarray(x) for x in out_leaves]
+            varying = tuple(_context.is_varying(x) for x in out_leaves)
+            recorded["out"] = (out_treedef, varying)
+            expand = varying if expand is None else expand
+            outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
+            return new_state, outs, jnp.zeros((), jnp.int32)
+
+        def program(expand: Any, out_specs: Any) -> Any:
+            return jax.shard_map(
+                lambda s, d, r: body(s, d, r, expand=expand),
+                mesh=self._mesh,
+                in_specs=(REPLICATED, SPLIT, REPLICATED),
+                out_specs=(REPLICATED, out_specs, REPLICATED),
+                check_vma=True,
+            )
+
+        state = [v.get_raw_value() for v in unique]
+        split = [leaf.global_value for leaf, k in zip(leaves, kinds, strict=True) if k in "sk"]
+        rep = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k in "mc"]
+        # First trace: learn which outputs differ between replicas, to choose their specs.
+        jax.eval_shape(program(None, SPLIT), state, split, rep)
+        out_treedef, varying = recorded["out"]
+        out_specs = [SPLIT if v else REPLICATED for v in varying]
+        call = jax.jit(program(varying, out_specs), donate_argnums=0)
+        if not self._logged:
+            self._log_first_program(fn_name, call, state, split, rep)
+        return _Program(call=call, out_treedef=out_treedef, out_stacked=varying)
+
+    def _log_first_program(self, fn_name: str, call: Any, *inputs: Any) -> None:
+        self._logged = True
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        text = call.lower(*inputs).as_text()
+        count = text.count("all_reduce")
+        logger.info(
+            "Compiled %r as one SPMD program over %d replica(s) on axis %r: %d all-reduce "
+            "op(s) over %d replicas synchronise it.",
+            fn_name,
+            self._n,
+            REPLICA_AXIS,
+            count,
+            self._n,
+        )
+
+
+def _sharing_pattern(ids: tuple[int, ...]) -> tuple[int, ...]:
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> ValueError:
+    name = type(variable).__name__
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_leaf)[0]:
+        if leaf is variable:
+            name = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+            break
+    return ValueError(
+        f"{fn_name!r} wrote a value into the mirrored variable {name} that differs between "
+        "replicas (it was computed from this replica's shard of the batch). Mirrored state must "
+        "stay identical on every replica, or the replicas silently drift apart.\n"
+        "Fix: aggregate before assigning, e.g.\n"
+        "  ctx = mirrored.get_replica_context()\n"
+        "  variable.value = ctx.all_reduce('MEAN', local_statistic)\n"
+        "Gradients of a loss from mirrored.compute_average_loss need no such step: they are "
+        "already summed over replicas."
+    )

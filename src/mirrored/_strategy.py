@@ -1,0 +1,371 @@
+"""Strategies: where replicas live, how state is mirrored, and the cross-replica operations."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mirrored import _context, _input, _mesh
+from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
+from mirrored._run import Runner
+from mirrored._values import PerReplica, ReduceOp, ValueContext
+
+logger = logging.getLogger("mirrored")
+
+_REDUCERS = {ReduceOp.SUM: jnp.sum, ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axis"))
+def _reduce_stacked(x: jax.Array, op: ReduceOp, axis: int | None) -> jax.Array:
+    # x has a leading replica axis; TensorFlow reduces over replicas and, with axis=k, also over
+    # axis k of each replica's value (so MEAN divides by the global element count).
+    axes = (0,) if axis is None else (0, axis + 1)
+    return _REDUCERS[op](x, axis=axes)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
+    x = jnp.moveaxis(x, 0, axis)
+    shape = x.shape
+    return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+class Extended:
+    """The few `strategy.extended` attributes TensorFlow users reach for."""
+
+    def __init__(self, devices: Sequence[jax.Device]) -> None:
+        self._devices = tuple(devices)
+
+    @property
+    def worker_devices(self) -> tuple[jax.Device, ...]:
+        """The devices holding one replica each, in replica order."""
+        return self._devices
+
+
+class Strategy:
+    """Synchronous data parallelism over a fixed set of devices, one replica per device."""
+
+    def __init__(self, devices: Sequence[jax.Device], *, max_in_flight: int = 2) -> None:
+        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(
+                f"Expected max_in_flight to be a positive int; found {max_in_flight!r}. "
+                "Fix: keep the default 2, or raise it for long-latency accelerators."
+            )
+        self._extended = Extended(devices)
+        self._mesh = _mesh.make_mesh(devices)
+        self._replicated = _mesh.replicated(self._mesh)
+        self._split = _mesh.split(self._mesh)
+        self._runner = Runner(self, max_in_flight=max_in_flight)
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas compute each step together (the device count)."""
+        return len(self._extended.worker_devices)
+
+    @property
+    def extended(self) -> Extended:
+        return self._extended
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The one-axis JAX mesh of this strategy, axis named `mirrored.REPLICA_AXIS`."""
+        return self._mesh
+
+    def __repr__(self) -> str:
+        names = ", ".join(device_name(d) for d in self._extended.worker_devices)
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, devices=[{names}])"
+
+    # -- scope ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Make this the current strategy; state created inside is mirrored on its devices.
+
+        Example:
+            >>> with strategy.scope():  # doctest: +SKIP
+            ...     model = MLP(rngs=nnx.Rngs(0))
+        """
+        current = _context.entered_strategy()
+        if current is not None and current is not self:
+            raise ValueError(
+                f"Expected to enter {self!r} outside any other strategy's scope; found it "
+                f"inside the scope of {current!r}. Mixing strategies would place state on two "
+                "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
+                "entering the second, or use one strategy throughout."
+            )
+        token = _context.push_scope(self)
+        try:
+            with jax.set_mesh(self._mesh):
+                yield self
+        finally:
+            _context.pop_scope(token)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run `fn(*args, **kwargs)` once per replica as one compiled SPMD program.
+
+        Mirrored state (NNX modules, optimizers, variables) must be passed in `args`/`kwargs`;
+        `fn` may update it in place and it stays mirrored. Distributed batches arrive as each
+        replica's shard. Results that differ between replicas come back as `PerReplica`;
+        results identical on every replica come back as plain (mirrored) arrays.
+
+        Example:
+            >>> loss = strategy.run(train_step, args=(model, optimizer, x, y))  # doctest: +SKIP
+            >>> strategy.reduce("SUM", loss, axis=None)  # doctest: +SKIP
+
+        Differs from tf.distribute: state is passed as arguments, never captured by closure.
+        """
+        if _context.current_replica_context() is not None:
+            raise RuntimeError(
+                "Expected strategy.run to be called from the host (cross-replica context); found "
+                "it called inside another strategy.run. Fix: call the inner function directly."
+            )
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"Expected args to be a tuple or list of arguments; found {type(args).__name__}. "
+                "Fix: strategy.run(fn, args=(model, x)) — note the trailing comma for one "
+                "argument: args=(x,)."
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"Expected kwargs to be a dict or None; found {type(kwargs).__name__}.")
+        return self._runner(fn, args, kwargs or {})
+
+    # -- cross-replica operations -----------------------------------------------------------------
+
+    def _stacked(self, value: Any) -> jax.Array:
+        if isinstance(value, PerReplica):
+            if value.num_replicas != self.num_replicas_in_sync:
+                raise ValueError(
+                    f"Expected a PerReplica over {self.num_replicas_in_sync} replicas; found one "
+                    f"over {value.num_replicas}. Fix: reduce with the strategy that produced it."
+                )
+            return value.stacked_value()
+        # A plain value counts as mirrored: every replica holds the same copy.
+        x = jnp.asarray(value)
+        return jnp.broadcast_to(x, (self.num_replicas_in_sync, *x.shape))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine per-replica values into one value on the host side.
+
+        `axis=None` combines across replicas only. `axis=k` also reduces along axis `k` of each
+        replica's value, so `MEAN` divides by the global number of elements.
+
+        Example:
+            >>> strategy.reduce("SUM", per_replica_loss, axis=None)  # doctest: +SKIP
+        """
+        op = ReduceOp.parse(reduce_op)
+
+        def one(v: Any) -> jax.Array:
+            stacked = self._stacked(v)
+            if axis is None:
+                return _reduce_stacked(stacked, op, None)
+            rank = stacked.ndim - 1
+            if not isinstance(axis, int) or not -rank <= axis < rank:
+                raise ValueError(
+                    f"Expected axis to be None or an int in [{-rank}, {rank}) for per-replica "
+                    f"values of shape {stacked.shape[1:]}; found {axis!r}."
+                )
+            return _reduce_stacked(stacked, op, axis % rank)
+
+        return jax.tree.map(one, value, is_leaf=_is_per_replica)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's value along `axis`, in replica order."""
+
+        def one(v: Any) -> jax.Array:
+            if isinstance(v, PerReplica) and not v.stacked and axis == 0:
+                return v.global_value
+            stacked = self._stacked(v)
+            rank = stacked.ndim - 1
+            if not isinstance(axis, int) or not -rank <= axis < rank:
+                raise ValueError(
+                    f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
+                    f"shape {stacked.shape[1:]}; found {axis!r}."
+                )
+            return _concat_stacked(stacked, axis % rank)
+
+        return jax.tree.map(one, value, is_leaf=_is_per_replica)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This process's replicas' values, one entry per replica, each on its own device."""
+        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_per_replica)
+        n = sum(1 for d in self._extended.worker_devices if d.process_index == jax.process_index())
+        columns = [_local_values(leaf, n) for leaf in leaves]
+        return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """Build a `PerReplica` from `value_fn(ValueContext)`, called once per local replica."""
+        n = self.num_replicas_in_sync
+        local = [
+            (i, d)
+            for i, d in enumerate(self._extended.worker_devices)
+            if d.process_index == jax.process_index()
+        ]
+        per_replica = [jax.tree.map(np.asarray, value_fn(ValueContext(i, n))) for i, _ in local]
+        treedef = jax.tree.structure(per_replica[0])
+        for (i, _), tree in zip(local, per_replica, strict=True):
+            if jax.tree.structure(tree) != treedef:
+                raise ValueError(
+                    f"Expected value_fn to return the same structure for every replica; replica "
+                    f"0 gave {treedef} and replica {i} gave {jax.tree.structure(tree)}."
+                )
+        columns = zip(*(jax.tree.leaves(t) for t in per_replica), strict=True)
+        out = []
+        for column in columns:
+            shapes = {x.shape for x in column}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"Expected value_fn to return arrays of one shape on every replica; found "
+                    f"shapes {sorted(shapes)}. Fix: pad the values to a common shape."
+                )
+            shards = [jax.device_put(x[None], d) for x, (_, d) in zip(column, local, strict=True)]
+            array = jax.make_array_from_single_device_arrays(
+                (n, *column[0].shape), self._split, shards
+            )
+            out.append(PerReplica(array, num_replicas=n, stacked=True))
+        return jax.tree.unflatten(treedef, out)
+
+    # -- input ------------------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(
+        self,
+        dataset: Any,
+        options: Any = None,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_remainder: bool = False,
+    ) -> _input.DistributedDataset:
+        """Split each GLOBAL batch of `dataset` across the replicas.
+
+        `dataset` is any iterable of global batches (tuples/dicts of arrays), or in-memory
+        arrays (e.g. `(x, y)`) together with `batch_size`, the GLOBAL batch size.
+
+        Example:
+            >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256)  # doctest: +SKIP
+            >>> for xb, yb in dist:  # each a PerReplica: 256 / N rows per replica
+            ...     strategy.run(train_step, args=(model, optimizer, xb, yb))  # doctest: +SKIP
+        """
+        del options  # Prefetch options arrive with the input issue; accepted for TF parity.
+        return _input.DistributedDataset(
+            self,
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_remainder=drop_remainder,
+        )
+
+
+def _local_values(value: Any, n: int) -> list[Any]:
+    if not isinstance(value, PerReplica):
+        return [value] * n
+    array = value.global_value
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    if value.stacked:
+        return [s.data[0] for s in shards]
+    return [s.data for s in shards]
+
+
+class MirroredStrategy(Strategy):
+    """One replica per device of this machine; gradients all-reduced every step.
+
+    Args:
+        devices: devices to mirror on — ``"/gpu:0"``, ``"gpu:0"``, ``"/cpu:3"``, ints or
+            `jax.Device`s. None (the default) takes every local device of the default backend.
+        max_in_flight: how many steps may be queued on the devices before the host waits.
+
+    Example:
+        >>> strategy = mirrored.MirroredStrategy()  # doctest: +SKIP
+        >>> strategy.num_replicas_in_sync  # doctest: +SKIP
+        8
+    """
+
+    def __init__(
+        self, devices: Sequence[DeviceLike] | None = None, *, max_in_flight: int = 2
+    ) -> None:
+        resolved = resolve_devices(devices)
+        super().__init__(resolved, max_in_flight=max_in_flight)
+        logger.info(
+            "%s: %d replica(s) on %s",
+            type(self).__name__,
+            len(resolved),
+            ", ".join(device_name(d) for d in resolved),
+        )
+
+
+class OneDeviceStrategy(Strategy):
+    """All computation on one device, with the same API as `MirroredStrategy`.
+
+    Example:
+        >>> strategy = mirrored.OneDeviceStrategy("/cpu:0")  # doctest: +SKIP
+    """
+
+    def __init__(self, device: DeviceLike, *, max_in_flight: int = 2) -> None:
+        resolved = resolve_device(device)
+        super().__init__([resolved], max_in_flight=max_in_flight)
+        logger.info("OneDeviceStrategy on %s", device_name(resolved))
+
+
+class _DefaultStrategy(Strategy):
+    """What `get_strategy()` returns outside every scope: one replica on the default device."""
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        yield self
+
+
+_default: list[_DefaultStrategy] = []
+
+
+def _default_strategy() -> _DefaultStrategy:
+    if not _default:
+        _default.append(_DefaultStrategy([jax.local_devices()[0]]))
+    return _default[0]
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost `scope()`, or the default one-device strategy."""
+    return _context.entered_strategy() or _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a (non-default) strategy's scope is entered."""
+    return _context.entered_strategy() is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside `strategy.scope()` but outside `strategy.run` (TensorFlow's meaning)."""
+    return has_strategy() and _context.current_replica_context() is None
+
+
+def get_replica_context() -> _context.ReplicaContext | None:
+    """The replica context inside `run`; None in cross-replica context; default outside scopes."""
+    ctx = _context.current_replica_context()
+    if ctx is not None:
+        return ctx
+    if has_strategy():
+        return None
+    return _context.ReplicaContext(_default_strategy(), in_spmd=False)

@@ -1,0 +1,140 @@
+"""`ReduceOp` and `PerReplica`: what crosses the boundary between replicas and the host."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class ReduceOp(enum.Enum):
+    """How values from all replicas combine. Strings ("SUM", "mean", ...) are accepted too."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    MAX = "MAX"
+    MIN = "MIN"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str) and op.upper() in cls.__members__:
+            return cls[op.upper()]
+        raise ValueError(
+            f"Expected a ReduceOp or one of {list(cls.__members__)}; found {op!r}. "
+            "Fix: strategy.reduce('SUM', value, axis=None) or mirrored.ReduceOp.SUM."
+        )
+
+
+_HOW_TO_READ = (
+    "Fix: combine the replicas first, e.g. `strategy.reduce('SUM', value, axis=None)` "
+    "(or 'MEAN'), or list them with `strategy.experimental_local_results(value)`."
+)
+
+
+class PerReplica:
+    """One value per replica, held as a single global array on the replicas' devices.
+
+    Two layouts share this type. *Stacked*: the array has a leading axis of length
+    `num_replicas` and replica `i` owns `value[i]` (what `strategy.run` returns). *Split*: the
+    leading axis is a batch split evenly, replica `i` owning the `i`-th chunk (what a
+    distributed dataset yields).
+
+    Differs from tf.distribute: there is no per-device Python list inside; the global
+    `jax.Array` is the single source of truth and `experimental_local_results` slices it.
+    """
+
+    __slots__ = ("_num_replicas", "_stacked", "_value")
+
+    def __init__(self, value: jax.Array, *, num_replicas: int, stacked: bool) -> None:
+        self._value = value
+        self._num_replicas = num_replicas
+        self._stacked = stacked
+
+    @property
+    def num_replicas(self) -> int:
+        return self._num_replicas
+
+    @property
+    def stacked(self) -> bool:
+        """True when the leading axis indexes replicas, False when it is a split batch."""
+        return self._stacked
+
+    @property
+    def global_value(self) -> jax.Array:
+        """The underlying global array (stacked or split along the leading axis)."""
+        return self._value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of one replica's value."""
+        shape = tuple(self._value.shape)
+        if self._stacked:
+            return shape[1:]
+        return (shape[0] // self._num_replicas, *shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self._value.dtype
+
+    def stacked_value(self) -> jax.Array:
+        """The values as one array with a leading replica axis, in either layout."""
+        if self._stacked:
+            return self._value
+        return self._value.reshape(self._num_replicas, *self.shape)
+
+    def __repr__(self) -> str:
+        return (
+            f"PerReplica(num_replicas={self._num_replicas}, shape={self.shape}, "
+            f"dtype={self.dtype}) — one value per replica; read it with strategy.reduce(...) "
+            "or strategy.experimental_local_results(...)"
+        )
+
+    def _refuse(self, what: str) -> TypeError:
+        return TypeError(
+            f"{what} a PerReplica value is ambiguous: it holds {self._num_replicas} values, one "
+            f"per replica (each of shape {self.shape}), not one. {_HOW_TO_READ}"
+        )
+
+    def __iter__(self) -> Any:
+        raise self._refuse("Iterating over")
+
+    def __len__(self) -> int:
+        raise self._refuse("Taking len() of")
+
+    def __float__(self) -> float:
+        raise self._refuse("Converting to float")
+
+    def __int__(self) -> int:
+        raise self._refuse("Converting to int")
+
+    def __bool__(self) -> bool:
+        raise self._refuse("Taking the truth value of")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise self._refuse("Converting to a NumPy array")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise self._refuse("Indexing")
+
+    def __jax_array__(self) -> jax.Array:
+        raise self._refuse("Using in a JAX computation outside strategy.run")
+
+
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells `value_fn` about its replica."""
+
+    __slots__ = ("num_replicas_in_sync", "replica_id_in_sync_group")
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1) -> None:
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
