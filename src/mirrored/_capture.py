@@ -33,9 +33,7 @@ def _holds_state(value: Any, is_mirrored: Callable[[Any], bool]) -> bool:
     if isinstance(value, list | tuple | dict):
         leaves = jax.tree.leaves(value, is_leaf=is_state)
         if len(leaves) <= _MAX_CONTAINER_LEAVES:
-            return any(
-                is_state(x) or (isinstance(x, jax.Array) and is_mirrored(x)) for x in leaves
-            )
+            return any(is_state(x) or (isinstance(x, jax.Array) and is_mirrored(x)) for x in leaves)
     return False
 
 
@@ -71,7 +69,9 @@ def find_captured(
         code = getattr(f, "__code__", None)
         if not isinstance(code, types.CodeType):
             return
-        for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or (), strict=False):
+        for name, cell in zip(
+            code.co_freevars, getattr(f, "__closure__", None) or (), strict=False
+        ):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell: the variable is not assigned yet

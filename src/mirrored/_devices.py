@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import jax
 
-DeviceLike = str | int | jax.Device
+DeviceLike: TypeAlias = str | int | jax.Device
 
 _NAME = re.compile(r"^/?(?:device:)?(?P<kind>[a-zA-Z_]+):(?P<index>\d+)$")
 # TensorFlow spells accelerators "gpu"; JAX reports "cuda"/"rocm" as the platform.

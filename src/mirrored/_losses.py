@@ -34,8 +34,8 @@ def compute_average_loss(
         sample_weight: optional weights, broadcast against `per_example_loss`.
 
     Example:
-        >>> per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)  # doctest: +SKIP
-        >>> loss = mirrored.compute_average_loss(per_example)  # doctest: +SKIP
+        >>> per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        >>> loss = mirrored.compute_average_loss(per_example)
     """
     losses = jnp.asarray(per_example_loss)
     if losses.ndim == 0:
@@ -64,6 +64,6 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     """Divide a regularization loss by the replica count, so its summed gradient counts once.
 
     Example:
-        >>> loss = data_loss + mirrored.scale_regularization_loss(1e-4 * l2)  # doctest: +SKIP
+        >>> loss = data_loss + mirrored.scale_regularization_loss(1e-4 * l2)
     """
     return jnp.sum(jnp.asarray(regularization_loss)) / _num_replicas()

@@ -25,7 +25,7 @@ def simulate_cpu_devices(n: int) -> None:
 
     Example:
         >>> import mirrored
-        >>> mirrored.simulate_cpu_devices(8)  # doctest: +SKIP
+        >>> mirrored.simulate_cpu_devices(8)
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"Expected a positive number of CPU devices; found {n!r}.")

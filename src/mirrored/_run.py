@@ -37,8 +37,37 @@ _CONSTANT = "c"  # NumPy array or Python number: the same value on every replica
 _STATIC = "x"  # anything else: part of the program, compared by value
 
 
+# isinstance against nnx.Variable goes through a metaclass hook, and these checks run for every
+# leaf of every step: remember each type's coarse kind. "v" variable, "p" PerReplica, "a"
+# jax.Array, "c" host constant, "x" anything else.
+_TYPE_KINDS: dict[type, str] = {}
+
+
+def _type_kind(kind: type) -> str:
+    known = _TYPE_KINDS.get(kind)
+    if known is None:
+        if issubclass(kind, nnx.Variable):
+            known = "v"
+        elif issubclass(kind, PerReplica):
+            known = "p"
+        elif issubclass(kind, jax.Array):
+            known = "a"
+        elif issubclass(kind, np.ndarray | np.generic | numbers.Number):
+            known = "c"
+        else:
+            known = "x"
+        _TYPE_KINDS[kind] = known
+    return known
+
+
 def _is_leaf(x: Any) -> bool:
-    return isinstance(x, nnx.Variable | PerReplica)
+    return _type_kind(type(x)) in "vp"
+
+
+def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
+    # set_raw_value re-checks the trace state twice per call; on the host, between steps, there
+    # is no trace to check, and this loop is on the per-step path.
+    object.__setattr__(variable, "_raw_value", value)
 
 
 def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
@@ -104,57 +133,81 @@ class Runner:
             "(or pass a NumPy array for a constant input)."
         )
 
-    def _classify(self, leaf: Any) -> str:
-        if isinstance(leaf, nnx.Variable):
-            value = leaf.get_raw_value()
-            return _VARIABLE if isinstance(value, jax.Array) and self.is_mirrored(value) else ""
-        if isinstance(leaf, jax.Array):
-            return _MIRRORED if self.is_mirrored(leaf) else ""
-        if isinstance(leaf, PerReplica):
-            if leaf.num_replicas != self._n or leaf.global_value.sharding.device_set != self._devices:
-                raise ValueError(
-                    f"strategy.run expected PerReplica values over this strategy's {self._n} "
-                    f"replicas; found one over {leaf.num_replicas} replica(s) on other devices. "
-                    "Fix: distribute inputs with the same strategy that runs the step."
-                )
-            return _STACKED if leaf.stacked else _SPLIT
-        if isinstance(leaf, np.ndarray | np.generic | numbers.Number):
-            return _CONSTANT
-        return _STATIC
+    def _check_split(self, leaf: PerReplica) -> None:
+        sharding = leaf.global_value.sharding
+        ok = self._sharding_ok.get(("split", sharding))
+        if ok is None:
+            ok = sharding.device_set == self._devices
+            self._sharding_ok[("split", sharding)] = ok
+        if not ok or leaf.num_replicas != self._n:
+            raise ValueError(
+                f"strategy.run expected PerReplica values over this strategy's {self._n} "
+                f"replicas; found one over {leaf.num_replicas} replica(s) on devices "
+                f"{sorted(str(d) for d in sharding.device_set)}. Fix: distribute inputs and "
+                "run steps with the same strategy."
+            )
 
     # -- the hot path ---------------------------------------------------------------------------
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if _capture.is_state(fn):
+        if _type_kind(type(fn)) == "v" or nnx.graph.is_graph_node(fn):
             fn, args = _call_object, (fn, *args)
         elif isinstance(getattr(fn, "__self__", None), nnx.Module | nnx.Optimizer):
             fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
-        kinds = "".join([self._classify(leaf) for leaf in leaves])
-        if len(kinds) != len(leaves):
-            bad = next(leaf for leaf in leaves if not self._classify(leaf))
-            raise self._not_mirrored_error(args, kwargs, bad)
-        variables = [leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind == _VARIABLE]
-        # Tied weights: one Variable reachable twice must be one input, updated once.
-        unique = list({id(v): v for v in variables}.values())
-        sharing = () if len(unique) == len(variables) else tuple(map(id, variables))
-        statics = tuple(leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind == _STATIC)
-        key = (fn, treedef, kinds, statics, sharing and _sharing_pattern(sharing))
+        # One pass sorts every leaf into the program's three inputs; this is the per-step cost.
+        kinds: list[str] = []
+        unique: list[Any] = []
+        state: list[jax.Array] = []
+        slots: dict[int, int] = {}
+        split: list[jax.Array] = []
+        rep: list[Any] = []
+        statics: list[Any] = []
+        for leaf in leaves:
+            kind = _type_kind(type(leaf))
+            if kind == "v":
+                value = leaf.get_raw_value()
+                if _type_kind(type(value)) != "a" or not self.is_mirrored(value):
+                    raise self._not_mirrored_error(args, kwargs, leaf)
+                slot = slots.setdefault(id(leaf), len(unique))
+                if slot == len(unique):
+                    unique.append(leaf)
+                    state.append(value)
+                kinds.append(_VARIABLE)
+            elif kind == "p":
+                self._check_split(leaf)
+                split.append(leaf.global_value)
+                kinds.append(_STACKED if leaf.stacked else _SPLIT)
+            elif kind == "a":
+                if not self.is_mirrored(leaf):
+                    raise self._not_mirrored_error(args, kwargs, leaf)
+                rep.append(leaf)
+                kinds.append(_MIRRORED)
+            elif kind == "c":
+                rep.append(leaf)
+                kinds.append(_CONSTANT)
+            else:
+                statics.append(leaf)
+                kinds.append(_STATIC)
+        signature = "".join(kinds)
+        # Tied weights (one Variable reachable twice) change the program: one input, one update.
+        sharing = None
+        if len(unique) != signature.count(_VARIABLE):
+            sharing = tuple(slots[id(x)] for x, k in zip(leaves, kinds, strict=True) if k == "v")
+        key = (fn, treedef, signature, tuple(statics), sharing)
         program = self._programs.get(key)
         if program is None:
-            program = self._compile(fn, args, kwargs, leaves, treedef, kinds, unique)
+            program = self._compile(fn, args, kwargs, leaves, treedef, signature, unique)
             self._programs[key] = program
-        state = [v.get_raw_value() for v in unique]
-        split = [leaf.global_value for leaf, k in zip(leaves, kinds, strict=True) if k in "sk"]
-        rep = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k in "mc"]
         new_state, outs, token = program.call(state, split, rep)
         for variable, value in zip(unique, new_state, strict=True):
-            variable.set_raw_value(value)
+            _write(variable, value)
         self._bound_dispatch(token)
+        n = self._n
         return jax.tree.unflatten(
             program.out_treedef,
             [
-                PerReplica(x, num_replicas=self._n, stacked=True) if stacked else x
+                PerReplica(x, num_replicas=n, stacked=True) if stacked else x
                 for x, stacked in zip(outs, program.out_stacked, strict=True)
             ],
         )
@@ -183,7 +236,7 @@ class Runner:
             raise _capture.captured_state_error(fn, captured)
         position = {id(v): i for i, v in enumerate(unique)}
         # How to rebuild each leaf inside the trace; holds no argument arrays alive.
-        plan = [
+        plan: list[tuple[str, Any]] = [
             (kind, position[id(leaf)] if kind == _VARIABLE else leaf if kind == _STATIC else None)
             for leaf, kind in zip(leaves, kinds, strict=True)
         ]
@@ -207,9 +260,7 @@ class Runner:
                 else:
                     rebuilt.append(payload)
             call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
-            token = _context.enter_replica(
-                _context.ReplicaContext(self._strategy, in_spmd=True)
-            )
+            token = _context.enter_replica(_context.ReplicaContext(self._strategy, in_spmd=True))
             try:
                 out = fn(*call_args, **call_kwargs)
             finally:
@@ -262,11 +313,6 @@ class Runner:
             count,
             self._n,
         )
-
-
-def _sharing_pattern(ids: tuple[int, ...]) -> tuple[int, ...]:
-    first: dict[int, int] = {}
-    return tuple(first.setdefault(i, len(first)) for i in ids)
 
 
 def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> ValueError:

@@ -19,7 +19,12 @@ from mirrored._values import PerReplica, ReduceOp, ValueContext
 
 logger = logging.getLogger("mirrored")
 
-_REDUCERS = {ReduceOp.SUM: jnp.sum, ReduceOp.MEAN: jnp.mean, ReduceOp.MAX: jnp.max, ReduceOp.MIN: jnp.min}
+_REDUCERS = {
+    ReduceOp.SUM: jnp.sum,
+    ReduceOp.MEAN: jnp.mean,
+    ReduceOp.MAX: jnp.max,
+    ReduceOp.MIN: jnp.min,
+}
 
 
 @functools.partial(jax.jit, static_argnames=("op", "axis"))
@@ -27,7 +32,8 @@ def _reduce_stacked(x: jax.Array, op: ReduceOp, axis: int | None) -> jax.Array:
     # x has a leading replica axis; TensorFlow reduces over replicas and, with axis=k, also over
     # axis k of each replica's value (so MEAN divides by the global element count).
     axes = (0,) if axis is None else (0, axis + 1)
-    return _REDUCERS[op](x, axis=axes)
+    reducer: Any = _REDUCERS[op]
+    return reducer(x, axis=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -86,7 +92,10 @@ class Strategy:
 
     def __repr__(self) -> str:
         names = ", ".join(device_name(d) for d in self._extended.worker_devices)
-        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, devices=[{names}])"
+        return (
+            f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, "
+            f"devices=[{names}])"
+        )
 
     # -- scope ------------------------------------------------------------------------------------
 
@@ -95,7 +104,7 @@ class Strategy:
         """Make this the current strategy; state created inside is mirrored on its devices.
 
         Example:
-            >>> with strategy.scope():  # doctest: +SKIP
+            >>> with strategy.scope():
             ...     model = MLP(rngs=nnx.Rngs(0))
         """
         current = _context.entered_strategy()
@@ -129,8 +138,8 @@ class Strategy:
         results identical on every replica come back as plain (mirrored) arrays.
 
         Example:
-            >>> loss = strategy.run(train_step, args=(model, optimizer, x, y))  # doctest: +SKIP
-            >>> strategy.reduce("SUM", loss, axis=None)  # doctest: +SKIP
+            >>> loss = strategy.run(train_step, args=(model, optimizer, x, y))
+            >>> strategy.reduce("SUM", loss, axis=None)
 
         Differs from tf.distribute: state is passed as arguments, never captured by closure.
         """
@@ -170,7 +179,7 @@ class Strategy:
         replica's value, so `MEAN` divides by the global number of elements.
 
         Example:
-            >>> strategy.reduce("SUM", per_replica_loss, axis=None)  # doctest: +SKIP
+            >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
         op = ReduceOp.parse(reduce_op)
 
@@ -225,7 +234,7 @@ class Strategy:
         per_replica = [jax.tree.map(np.asarray, value_fn(ValueContext(i, n))) for i, _ in local]
         treedef = jax.tree.structure(per_replica[0])
         for (i, _), tree in zip(local, per_replica, strict=True):
-            if jax.tree.structure(tree) != treedef:
+            if jax.tree.structure(tree) != treedef:  # type: ignore[operator]
                 raise ValueError(
                     f"Expected value_fn to return the same structure for every replica; replica "
                     f"0 gave {treedef} and replica {i} gave {jax.tree.structure(tree)}."
@@ -264,9 +273,9 @@ class Strategy:
         arrays (e.g. `(x, y)`) together with `batch_size`, the GLOBAL batch size.
 
         Example:
-            >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256)  # doctest: +SKIP
+            >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256)
             >>> for xb, yb in dist:  # each a PerReplica: 256 / N rows per replica
-            ...     strategy.run(train_step, args=(model, optimizer, xb, yb))  # doctest: +SKIP
+            ...     strategy.run(train_step, args=(model, optimizer, xb, yb))
         """
         del options  # Prefetch options arrive with the input issue; accepted for TF parity.
         return _input.DistributedDataset(
@@ -298,8 +307,8 @@ class MirroredStrategy(Strategy):
         max_in_flight: how many steps may be queued on the devices before the host waits.
 
     Example:
-        >>> strategy = mirrored.MirroredStrategy()  # doctest: +SKIP
-        >>> strategy.num_replicas_in_sync  # doctest: +SKIP
+        >>> strategy = mirrored.MirroredStrategy()
+        >>> strategy.num_replicas_in_sync
         8
     """
 
@@ -320,7 +329,7 @@ class OneDeviceStrategy(Strategy):
     """All computation on one device, with the same API as `MirroredStrategy`.
 
     Example:
-        >>> strategy = mirrored.OneDeviceStrategy("/cpu:0")  # doctest: +SKIP
+        >>> strategy = mirrored.OneDeviceStrategy("/cpu:0")
     """
 
     def __init__(self, device: DeviceLike, *, max_in_flight: int = 2) -> None:

@@ -1,0 +1,30 @@
+# Everything installs into .venv from pyproject.toml, pinned by constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mirrored demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,83 @@
+"""Models and a plain-JAX data-parallel baseline shared by the benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+class MLP(nnx.Module):
+    """784 → hidden… → 10 with ReLU: the seed MLP is (128,), the wide MLP (2048, 2048)."""
+
+    def __init__(self, hidden: tuple[int, ...], *, rngs: nnx.Rngs) -> None:
+        sizes = (784, *hidden, 10)
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+MODELS = {"seed_mlp": ((128,), 256), "wide_mlp": ((2048, 2048), 512)}
+
+
+def synthetic_batches(batch: int, count: int = 4, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.normal(size=(batch, 784)).astype(np.float32),
+            rng.integers(0, 10, batch).astype(np.int32),
+        )
+        for _ in range(count)
+    ]
+
+
+def plain_jax_step(devices: list[jax.Device], hidden: tuple[int, ...], lr: float = 1e-3):
+    """A hand-written data-parallel step: shard_map, local grads, explicit pmean, Adam."""
+    mesh = Mesh(np.asarray(devices), ("batch",))
+    model = MLP(hidden, rngs=nnx.Rngs(0))
+    params = jax.device_put(nnx.state(model, nnx.Param), NamedSharding(mesh, P()))
+    graphdef = nnx.graphdef(model)
+    tx = optax.adam(lr)
+    opt_state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+
+    def local(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jax.lax.pmean(grads, "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+
+    step = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), P(), P("batch"), P("batch")),
+            out_specs=(P(), P(), P()),
+            check_vma=False,
+        ),
+        donate_argnums=(0, 1),
+    )
+    data_sharding = NamedSharding(mesh, P("batch"))
+    return step, params, opt_state, data_sharding
+
+
+def timed(run_steps: Callable[[int], Any], steps: int, warmup: int) -> float:
+    """Seconds for `steps` steps after `warmup` steps, waiting for the device at both ends."""
+    jax.block_until_ready(run_steps(warmup))
+    start = time.perf_counter()
+    jax.block_until_ready(run_steps(steps))
+    return time.perf_counter() - start

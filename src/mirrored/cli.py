@@ -1,0 +1,80 @@
+"""The `mirrored` command."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import typer
+
+app = typer.Typer(
+    help="mirrored: TensorFlow's MirroredStrategy on JAX.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _has_accelerator_plugin() -> bool:
+    # Decided without starting JAX's backend, which would freeze the CPU device count.
+    return any(
+        importlib.util.find_spec(name) is not None
+        for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+    )
+
+
+def _setup_devices(devices: int | None) -> None:
+    import jax
+
+    import mirrored
+
+    if devices is not None:
+        jax.config.update("jax_platforms", "cpu")
+        mirrored.simulate_cpu_devices(devices)
+    elif not _has_accelerator_plugin():
+        mirrored.simulate_cpu_devices(8)
+
+
+@app.command()
+def demo(
+    devices: int | None = typer.Option(
+        None,
+        "--devices",
+        min=1,
+        help="Simulate this many CPU devices (default: 8 when no accelerator is installed).",
+    ),
+    epochs: int = typer.Option(20, min=1, help="Passes over the training data."),
+    batch_size: int = typer.Option(128, min=1, help="GLOBAL batch size, split over replicas."),
+    learning_rate: float = typer.Option(3e-3, help="Adam learning rate."),
+    seed: int = typer.Option(0, help="Seed for initialisation and shuffling."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show INFO logs."),
+) -> None:
+    """Train an MLP on scikit-learn's bundled digits with a MirroredStrategy custom loop."""
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _setup_devices(devices)
+    from mirrored._demo import run_demo
+
+    try:
+        run_demo(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of mirrored and its stack."""
+    import flax
+    import jax
+    import optax
+
+    import mirrored
+
+    typer.echo(
+        f"mirrored {mirrored.__version__} (jax {jax.__version__}, flax {flax.__version__}, "
+        f"optax {optax.__version__})"
+    )
+
+
+def main() -> None:
+    app()
