@@ -273,7 +273,8 @@ class Runner:
             out_leaves = [jnp.asarray(x) for x in out_leaves]
             varying = tuple(_context.is_varying(x) for x in out_leaves)
             recorded["out"] = (out_treedef, varying)
-            expand = varying if expand is None else expand
+            # The first trace has no layout yet: give every output a replica axis.
+            expand = (True,) * len(out_leaves) if expand is None else expand
             outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
             return new_state, outs, jnp.zeros((), jnp.int32)
 
@@ -327,7 +328,7 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         "stay identical on every replica, or the replicas silently drift apart.\n"
         "Fix: aggregate before assigning, e.g.\n"
         "  ctx = mirrored.get_replica_context()\n"
-        "  variable.value = ctx.all_reduce('MEAN', local_statistic)\n"
+        "  variable[...] = ctx.all_reduce('MEAN', local_statistic)\n"
         "Gradients of a loss from mirrored.compute_average_loss need no such step: they are "
         "already summed over replicas."
     )
