@@ -1,0 +1,123 @@
+"""reduce, gather, local results and PerReplica's refusals."""
+
+import jax
+import numpy as np
+import pytest
+
+import mirrored
+
+
+@pytest.fixture
+def strategy(devices):
+    return mirrored.MirroredStrategy(devices)
+
+
+def per_replica_rows(strategy):
+    """Replica i holds [[i, 10 + i, -i], [2i, 3, 5 - i]]."""
+
+    def value(ctx):
+        i = ctx.replica_id_in_sync_group
+        return np.array([[i, 10 + i, -i], [2 * i, 3, 5 - i]], np.float32)
+
+    expected = np.stack([value(mirrored.ValueContext(i, 8)) for i in range(8)])
+    return strategy.experimental_distribute_values_from_function(value), expected
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX", "MIN", mirrored.ReduceOp.SUM, "mean"])
+@pytest.mark.parametrize("axis", [None, 0, 1, -1])
+def test_reduce_matches_numpy(strategy, op, axis):
+    value, stacked = per_replica_rows(strategy)
+    name = mirrored.ReduceOp.parse(op).value
+    numpy_op = {"SUM": np.sum, "MEAN": np.mean, "MAX": np.max, "MIN": np.min}[name]
+    axes = (0,) if axis is None else (0, axis % 2 + 1)
+    got, want = strategy.reduce(op, value, axis=axis), numpy_op(stacked, axes)
+    if name == "MEAN":  # one float32 division: equal up to rounding
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:  # sums of small integers, maxima, minima: exact
+        np.testing.assert_array_equal(got, want)
+
+
+def test_mean_over_an_axis_divides_by_the_global_count(strategy):
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((4,), ctx.replica_id_in_sync_group, np.float32)
+    )
+    # 32 elements in all: (0 + 1 + ... + 7) * 4 / 32 = 3.5
+    assert float(strategy.reduce("MEAN", value, axis=0)) == 3.5
+
+
+def test_reduce_of_a_mirrored_value_counts_every_replica(strategy):
+    assert float(strategy.reduce("SUM", np.float32(2.0))) == 16.0
+    assert float(strategy.reduce("MEAN", np.float32(2.0))) == 2.0
+
+
+def test_reduce_rejects_bad_op_and_axis(strategy):
+    value, _ = per_replica_rows(strategy)
+    with pytest.raises(ValueError, match="one of \\['SUM', 'MEAN', 'MAX', 'MIN'\\]; found 'AVG'"):
+        strategy.reduce("AVG", value)
+    with pytest.raises(ValueError, match="axis to be None or an int in \\[-2, 2\\)"):
+        strategy.reduce("SUM", value, axis=2)
+
+
+def test_gather_concatenates_in_replica_order(strategy):
+    value, stacked = per_replica_rows(strategy)
+    np.testing.assert_array_equal(strategy.gather(value, axis=0), np.concatenate(stacked, 0))
+    np.testing.assert_array_equal(strategy.gather(value, axis=1), np.concatenate(stacked, 1))
+
+
+def test_local_results_are_on_their_devices(strategy, devices):
+    value, stacked = per_replica_rows(strategy)
+    results = strategy.experimental_local_results(value)
+    assert len(results) == 8
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result, stacked[i])
+        assert result.sharding.device_set == {devices[i]}
+
+
+def test_reduce_and_local_results_accept_pytrees(strategy):
+    value, stacked = per_replica_rows(strategy)
+    reduced = strategy.reduce("SUM", {"a": value, "b": [value]})
+    np.testing.assert_array_equal(reduced["b"][0], stacked.sum(0))
+    local = strategy.experimental_local_results({"a": value})
+    assert len(local) == 8 and set(local[3]) == {"a"}
+
+
+def test_distribute_values_requires_one_shape(strategy):
+    with pytest.raises(ValueError, match="arrays of one shape"):
+        strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.zeros(ctx.replica_id_in_sync_group + 1)
+        )
+
+
+@pytest.mark.parametrize(
+    ("use", "what"),
+    [
+        (lambda v: list(v), "Iterating over"),
+        (lambda v: float(v), "Converting to float"),
+        (lambda v: bool(v), "truth value"),
+        (lambda v: np.asarray(v), "NumPy array"),
+        (lambda v: v[0], "Indexing"),
+    ],
+)
+def test_per_replica_refuses_ambiguous_use(strategy, use, what):
+    value, _ = per_replica_rows(strategy)
+    with pytest.raises(TypeError, match=what) as info:
+        use(value)
+    message = str(info.value)
+    assert "8 values, one per replica" in message and "strategy.reduce('SUM'" in message
+
+
+def test_per_replica_repr_explains_how_to_read(strategy):
+    value, _ = per_replica_rows(strategy)
+    assert "num_replicas=8, shape=(2, 3)" in repr(value)
+    assert "strategy.reduce" in repr(value)
+
+
+def test_run_output_reduces_exactly(strategy):
+    def fn(x):
+        return x * 2.0
+
+    value, stacked = per_replica_rows(strategy)
+    out = strategy.run(fn, args=(value,))
+    assert isinstance(out, mirrored.PerReplica)
+    np.testing.assert_array_equal(strategy.reduce("SUM", out), (stacked * 2).sum(0))
+    assert jax.tree.leaves(out) == [out]  # a leaf, not a pytree of per-device values
