@@ -24,7 +24,10 @@ class SmallMLP(nnx.Module):
 def global_batches(count: int, batch: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [
-        (rng.normal(size=(batch, 12)).astype(np.float32), rng.integers(0, 5, batch).astype(np.int32))
+        (
+            rng.normal(size=(batch, 12)).astype(np.float32),
+            rng.integers(0, 5, batch).astype(np.int32),
+        )
         for _ in range(count)
     ]
 
@@ -45,7 +48,8 @@ def params_of(model: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def train_single_device(
-    batches: list[tuple[np.ndarray, np.ndarray]], make_tx: Callable[[], optax.GradientTransformation]
+    batches: list[tuple[np.ndarray, np.ndarray]],
+    make_tx: Callable[[], optax.GradientTransformation],
 ) -> dict[str, np.ndarray]:
     """The reference: plain NNX on one device, mean loss over each global batch."""
     model = SmallMLP(rngs=nnx.Rngs(0))

@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import SmallMLP, global_batches
 from flax import nnx
 
 import mirrored
+from _helpers import SmallMLP, global_batches
 
 
 @pytest.fixture

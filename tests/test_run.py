@@ -7,6 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+
+import mirrored
 from _helpers import (
     SmallMLP,
     assert_bit_identical_on_devices,
@@ -17,9 +20,6 @@ from _helpers import (
     train_single_device,
     train_step,
 )
-from flax import nnx
-
-import mirrored
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _helpers import SmallMLP
 from flax import nnx
 
 import mirrored
+from _helpers import SmallMLP
 
 
 def test_default_uses_every_local_device(devices):
@@ -95,9 +95,12 @@ def test_nested_scopes(devices):
     second = mirrored.MirroredStrategy(devices[2:4])
     with first.scope(), first.scope():  # re-entering the same strategy is fine
         assert mirrored.get_strategy() is first
-    with first.scope(), pytest.raises(ValueError, match="inside the scope of") as info:
-        with second.scope():
-            pass
+    with (
+        first.scope(),
+        pytest.raises(ValueError, match="inside the scope of") as info,
+        second.scope(),
+    ):
+        pass
     assert "leave the first" in str(info.value)
     assert not mirrored.has_strategy()
 

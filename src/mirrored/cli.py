@@ -78,3 +78,7 @@ def version() -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The demo and the examples run end to end, as a user would start them."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    return subprocess.run(
+        ["timeout", "-k", "10", str(timeout), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def test_demo_trains_to_high_accuracy():
+    result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--devices", "8"])
+    assert result.returncode == 0, result.stderr
+    assert "8 replica(s) on /cpu:0" in result.stdout
+    assert "global batch 128 = 8 replicas × 16 per replica" in result.stdout
+    assert "epoch  20/20" in result.stdout
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", result.stdout).group(1))
+    assert accuracy > 0.9
+
+
+def test_demo_rejects_an_indivisible_batch():
+    result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--devices", "3", "--epochs", "1"])
+    assert result.returncode == 2
+    assert "--batch-size 129" in result.stderr
+
+
+def test_custom_loop_example():
+    result = _run([sys.executable, "examples/custom_loop.py"])
+    assert result.returncode == 0, result.stderr
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1))
+    assert accuracy > 0.9
