@@ -10,16 +10,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import numbers
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from mirrored import _capture, _context
+from mirrored import _capture, _context, _fastpath
+from mirrored._leaves import is_leaf as _is_leaf
+from mirrored._leaves import type_kind as _type_kind
 from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
 from mirrored._values import PerReplica
 
@@ -37,33 +37,6 @@ _CONSTANT = "c"  # NumPy array or Python number: the same value on every replica
 _STATIC = "x"  # anything else: part of the program, compared by value
 
 
-# isinstance against nnx.Variable goes through a metaclass hook, and these checks run for every
-# leaf of every step: remember each type's coarse kind. "v" variable, "p" PerReplica, "a"
-# jax.Array, "c" host constant, "x" anything else.
-_TYPE_KINDS: dict[type, str] = {}
-
-
-def _type_kind(kind: type) -> str:
-    known = _TYPE_KINDS.get(kind)
-    if known is None:
-        if issubclass(kind, nnx.Variable):
-            known = "v"
-        elif issubclass(kind, PerReplica):
-            known = "p"
-        elif issubclass(kind, jax.Array):
-            known = "a"
-        elif issubclass(kind, np.ndarray | np.generic | numbers.Number):
-            known = "c"
-        else:
-            known = "x"
-        _TYPE_KINDS[kind] = known
-    return known
-
-
-def _is_leaf(x: Any) -> bool:
-    return _type_kind(type(x)) in "vp"
-
-
 def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
     # set_raw_value re-checks the trace state twice per call; on the host, between steps, there
     # is no trace to check, and this loop is on the per-step path.
@@ -73,6 +46,19 @@ def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
 def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
     """`strategy.run(model, args=(x,))`: the module travels as an argument, not a capture."""
     return obj(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class _Sorted:
+    """The leaves of one call, sorted into the program's inputs."""
+
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    unique: list[Any] = dataclasses.field(default_factory=list)
+    state: list[jax.Array] = dataclasses.field(default_factory=list)
+    slots: dict[int, int] = dataclasses.field(default_factory=dict)
+    split: list[jax.Array] = dataclasses.field(default_factory=list)
+    rep: list[Any] = dataclasses.field(default_factory=list)
+    statics: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +77,7 @@ class Runner:
         self._devices = frozenset(strategy.extended.worker_devices)
         self._n = strategy.num_replicas_in_sync
         self._programs: dict[Any, _Program] = {}
+        self._guards: dict[Any, _fastpath.Guard | None] = {}
         self._sharding_ok: dict[Any, bool] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._max_in_flight = max_in_flight
@@ -149,57 +136,79 @@ class Runner:
 
     # -- the hot path ---------------------------------------------------------------------------
 
-    def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if _type_kind(type(fn)) == "v" or nnx.graph.is_graph_node(fn):
-            fn, args = _call_object, (fn, *args)
-        elif isinstance(getattr(fn, "__self__", None), nnx.Module | nnx.Optimizer):
-            fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
-        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
-        # One pass sorts every leaf into the program's three inputs; this is the per-step cost.
-        kinds: list[str] = []
-        unique: list[Any] = []
-        state: list[jax.Array] = []
-        slots: dict[int, int] = {}
-        split: list[jax.Array] = []
-        rep: list[Any] = []
-        statics: list[Any] = []
+    def _sort(self, leaves: list[Any], args: Any, kwargs: Any) -> _Sorted:
+        """Sort leaves into the program's three inputs (state, split, replicated) in one pass."""
+        out = _Sorted()
         for leaf in leaves:
             kind = _type_kind(type(leaf))
             if kind == "v":
                 value = leaf.get_raw_value()
                 if _type_kind(type(value)) != "a" or not self.is_mirrored(value):
                     raise self._not_mirrored_error(args, kwargs, leaf)
-                slot = slots.setdefault(id(leaf), len(unique))
-                if slot == len(unique):
-                    unique.append(leaf)
-                    state.append(value)
-                kinds.append(_VARIABLE)
+                slot = out.slots.setdefault(id(leaf), len(out.unique))
+                if slot == len(out.unique):
+                    out.unique.append(leaf)
+                    out.state.append(value)
+                out.kinds.append(_VARIABLE)
             elif kind == "p":
                 self._check_split(leaf)
-                split.append(leaf.global_value)
-                kinds.append(_STACKED if leaf.stacked else _SPLIT)
+                out.split.append(leaf.global_value)
+                out.kinds.append(_STACKED if leaf.stacked else _SPLIT)
             elif kind == "a":
                 if not self.is_mirrored(leaf):
                     raise self._not_mirrored_error(args, kwargs, leaf)
-                rep.append(leaf)
-                kinds.append(_MIRRORED)
+                out.rep.append(leaf)
+                out.kinds.append(_MIRRORED)
             elif kind == "c":
-                rep.append(leaf)
-                kinds.append(_CONSTANT)
+                out.rep.append(leaf)
+                out.kinds.append(_CONSTANT)
+            elif kind == "g":
+                raise TypeError(
+                    f"strategy.run expected NNX objects that are pytrees (the Flax default); "
+                    f"found {type(leaf).__name__}, declared with pytree=False. Fix: drop "
+                    "pytree=False from its class definition."
+                )
             else:
-                statics.append(leaf)
-                kinds.append(_STATIC)
-        signature = "".join(kinds)
+                out.statics.append(leaf)
+                out.kinds.append(_STATIC)
+        return out
+
+    def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if _type_kind(type(fn)) in "vg":
+            fn, args = _call_object, (fn, *args)
+        elif _type_kind(type(getattr(fn, "__self__", None))) == "g":
+            fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
+        guard = self._guards.get(fn)
+        data = guard.data_if_unchanged(args, kwargs) if guard is not None else None
+        if data is not None:
+            # Fast path: the state's structure is as last time; flatten only the batch.
+            leaves, treedef = jax.tree.flatten(data, is_leaf=_is_leaf)
+            sorted_ = self._sort(leaves, args, kwargs)
+            if guard.accepts(treedef, sorted_):  # type: ignore[union-attr]
+                state = [v.get_raw_value() for v in guard.unique]  # type: ignore[union-attr]
+                if all(map(self.is_mirrored, state)):
+                    return self._call(guard.program, guard.unique, state, sorted_)  # type: ignore[union-attr]
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
+        sorted_ = self._sort(leaves, args, kwargs)
+        signature = "".join(sorted_.kinds)
         # Tied weights (one Variable reachable twice) change the program: one input, one update.
         sharing = None
-        if len(unique) != signature.count(_VARIABLE):
-            sharing = tuple(slots[id(x)] for x, k in zip(leaves, kinds, strict=True) if k == "v")
-        key = (fn, treedef, signature, tuple(statics), sharing)
+        if len(sorted_.unique) != signature.count(_VARIABLE):
+            sharing = tuple(
+                sorted_.slots[id(x)] for x, k in zip(leaves, signature, strict=True) if k == "v"
+            )
+        key = (fn, treedef, signature, tuple(sorted_.statics), sharing)
         program = self._programs.get(key)
         if program is None:
-            program = self._compile(fn, args, kwargs, leaves, treedef, signature, unique)
+            program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_.unique)
             self._programs[key] = program
-        new_state, outs, token = program.call(state, split, rep)
+        self._guards[fn] = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
+        return self._call(program, sorted_.unique, sorted_.state, sorted_)
+
+    def _call(
+        self, program: _Program, unique: list[Any], state: list[jax.Array], sorted_: _Sorted
+    ) -> Any:
+        new_state, outs, token = program.call(state, sorted_.split, sorted_.rep)
         for variable, value in zip(unique, new_state, strict=True):
             _write(variable, value)
         self._bound_dispatch(token)

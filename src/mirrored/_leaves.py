@@ -1,0 +1,41 @@
+"""What kind of thing each leaf of `strategy.run`'s arguments is, decided once per type."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mirrored._values import PerReplica
+
+# isinstance against nnx.Variable goes through a metaclass hook, and these checks run for every
+# leaf of every step: remember each type's coarse kind. "v" variable, "g" other NNX object,
+# "p" PerReplica, "a" jax.Array, "c" host constant, "x" anything else.
+_TYPE_KINDS: dict[type, str] = {}
+
+
+def type_kind(kind: type) -> str:
+    known = _TYPE_KINDS.get(kind)
+    if known is None:
+        if issubclass(kind, nnx.Variable):
+            known = "v"
+        elif issubclass(kind, nnx.Pytree):
+            known = "g"
+        elif issubclass(kind, PerReplica):
+            known = "p"
+        elif issubclass(kind, jax.Array):
+            known = "a"
+        elif issubclass(kind, np.ndarray | np.generic | numbers.Number):
+            known = "c"
+        else:
+            known = "x"
+        _TYPE_KINDS[kind] = known
+    return known
+
+
+def is_leaf(x: Any) -> bool:
+    """Variables and PerReplica values are leaves: the former are read and written back."""
+    return type_kind(type(x)) in "vp"
