@@ -256,3 +256,15 @@ def test_args_must_be_a_sequence(devices):
     strategy = mirrored.MirroredStrategy(devices)
     with pytest.raises(TypeError, match=r"args=\(x,\)"):
         strategy.run(lambda x: x, args=np.ones(3))
+
+
+def test_non_pytree_modules_are_refused_with_the_fix(devices):
+    class Legacy(nnx.Module, pytree=False):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        legacy = Legacy()
+    with pytest.raises(TypeError, match="pytree=False"):
+        strategy.run(lambda m: m.w[...], args=(legacy,))

@@ -14,6 +14,7 @@ Not seen by the guard: in-place edits of plain containers *inside* an NNX object
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ class Guard:
         data_positions: list[int],
         objects: list[Any],
         data_treedef: Any,
-        data_kinds: list[str],
+        data_kinds: str,
         data_statics: list[Any],
         program: Any,
         unique: list[Any],
@@ -74,6 +75,25 @@ class Guard:
         self.data_statics = data_statics
         self.program = program
         self.unique = unique
+        # The arrays the last step wrote into `unique`: mirrored by construction.
+        self.written: list[Any] = []
+
+    @classmethod
+    def unguarded(cls, program: Any, unique: list[Any]) -> Guard:
+        """A guard that never matches: carries state for a call that has no fast path."""
+        guard = cls(
+            nargs=-1,
+            kw_keys=(),
+            roots=[],
+            data_positions=[],
+            objects=[],
+            data_treedef=None,
+            data_kinds="",
+            data_statics=[],
+            program=program,
+            unique=unique,
+        )
+        return guard
 
     @classmethod
     def build(
@@ -94,12 +114,11 @@ class Guard:
         for _, root in roots:  # state roots must hold Variables only
             if any(type_kind(type(x)) != "v" for x in jax.tree.leaves(root, is_leaf=is_leaf)):
                 return None
-        data_leaves, data_treedef = jax.tree.flatten(
-            [tops[i] for i in data_positions], is_leaf=is_leaf
-        )
-        data = sort(data_leaves, args, kwargs)
-        if data.unique:  # Variables inside containers: keep the full path
+        # No is_leaf here, as in `inputs`: a Variable among the data would show in the treedef.
+        data_leaves, data_treedef = jax.tree.flatten([tops[i] for i in data_positions])
+        if any(type_kind(type(x)) in "vg" for x in data_leaves):
             return None
+        data = sort(data_leaves, args, kwargs)
         return cls(
             nargs=len(args),
             kw_keys=kw_keys,
@@ -107,7 +126,7 @@ class Guard:
             data_positions=data_positions,
             objects=_nnx_objects([root for _, root in roots]),
             data_treedef=data_treedef,
-            data_kinds=data.kinds,
+            data_kinds="".join(data.kinds),
             data_statics=data.statics,
             program=program,
             unique=unique,
@@ -126,11 +145,40 @@ class Guard:
                 return None
         return [tops[i] for i in self.data_positions]
 
-    def accepts(self, data_treedef: Any, data: Any) -> bool:
-        """Whether the non-state arguments fit the cached program."""
-        return (
-            data_treedef == self.data_treedef
-            and data.kinds == self.data_kinds
-            and data.statics == self.data_statics
-            and not data.unique
-        )
+    def inputs(
+        self,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        check_split: Callable[[Any], None],
+        is_mirrored: Callable[[Any], bool],
+    ) -> tuple[list[Any], list[Any], list[Any]] | None:
+        """(state, split, replicated) inputs of the cached program; None: take the full path."""
+        data = self.data_if_unchanged(args, kwargs)
+        if data is None:
+            return None
+        leaves, treedef = jax.tree.flatten(data)
+        if treedef != self.data_treedef:
+            return None
+        split, rep = [], []
+        statics = iter(self.data_statics)
+        for leaf, kind in zip(leaves, self.data_kinds, strict=True):
+            found = type_kind(type(leaf))
+            if kind in "sk":
+                if found != "p" or leaf.stacked != (kind == "k"):
+                    return None
+                check_split(leaf)
+                split.append(leaf.global_value)
+            elif kind == "m":
+                if found != "a" or not is_mirrored(leaf):
+                    return None
+                rep.append(leaf)
+            elif kind == "c":
+                if found != "c":
+                    return None
+                rep.append(leaf)
+            elif found != "x" or leaf != next(statics):
+                return None
+        state = [v.get_raw_value() for v in self.unique]
+        if not all(map(operator.is_, state, self.written)) and not all(map(is_mirrored, state)):
+            return None
+        return state, split, rep

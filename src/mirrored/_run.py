@@ -179,15 +179,11 @@ class Runner:
         elif _type_kind(type(getattr(fn, "__self__", None))) == "g":
             fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
         guard = self._guards.get(fn)
-        data = guard.data_if_unchanged(args, kwargs) if guard is not None else None
-        if data is not None:
-            # Fast path: the state's structure is as last time; flatten only the batch.
-            leaves, treedef = jax.tree.flatten(data, is_leaf=_is_leaf)
-            sorted_ = self._sort(leaves, args, kwargs)
-            if guard.accepts(treedef, sorted_):  # type: ignore[union-attr]
-                state = [v.get_raw_value() for v in guard.unique]  # type: ignore[union-attr]
-                if all(map(self.is_mirrored, state)):
-                    return self._call(guard.program, guard.unique, state, sorted_)  # type: ignore[union-attr]
+        if guard is not None:
+            # Fast path: the state's structure is as last time; only the batch is flattened.
+            inputs = guard.inputs(args, kwargs, self._check_split, self.is_mirrored)
+            if inputs is not None:
+                return self._call(guard.program, guard, *inputs)
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
         sorted_ = self._sort(leaves, args, kwargs)
         signature = "".join(sorted_.kinds)
@@ -202,15 +198,24 @@ class Runner:
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_.unique)
             self._programs[key] = program
-        self._guards[fn] = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
-        return self._call(program, sorted_.unique, sorted_.state, sorted_)
+        guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
+        self._guards[fn] = guard
+        if guard is None:
+            guard = _fastpath.Guard.unguarded(program, sorted_.unique)
+        return self._call(program, guard, sorted_.state, sorted_.split, sorted_.rep)
 
     def _call(
-        self, program: _Program, unique: list[Any], state: list[jax.Array], sorted_: _Sorted
+        self,
+        program: _Program,
+        guard: _fastpath.Guard,
+        state: list[jax.Array],
+        split: list[jax.Array],
+        rep: list[Any],
     ) -> Any:
-        new_state, outs, token = program.call(state, sorted_.split, sorted_.rep)
-        for variable, value in zip(unique, new_state, strict=True):
+        new_state, outs, token = program.call(state, split, rep)
+        for variable, value in zip(guard.unique, new_state, strict=True):
             _write(variable, value)
+        guard.written = new_state
         self._bound_dispatch(token)
         n = self._n
         return jax.tree.unflatten(
