@@ -34,7 +34,7 @@ def main() -> None:
     results = []
     for name in args.models.split(","):
         hidden, batch = MODELS[name]
-        steps = args.steps if name == "seed_mlp" else max(10, args.steps // 20)
+        steps = args.steps if name == "seed_mlp" else max(20, args.steps // 10)
         for n in sorted({1, args.devices}):
             devices = jax.devices()[:n]
             host_batches = synthetic_batches(batch)

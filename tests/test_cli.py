@@ -31,10 +31,13 @@ def test_demo_trains_to_high_accuracy():
     assert accuracy > 0.9
 
 
-def test_demo_rejects_an_indivisible_batch():
+def test_demo_pads_an_indivisible_batch_and_rejects_a_too_small_one():
     result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--devices", "3", "--epochs", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "global batch 129 = 3 replicas × 43 per replica (padded from 128" in result.stdout
+    result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--batch-size", "4"])
     assert result.returncode == 2
-    assert "--batch-size 129" in result.stderr
+    assert "gives each of the 8 replicas 0 examples" in result.stderr
 
 
 def test_custom_loop_example():

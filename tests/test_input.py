@@ -1,10 +1,24 @@
-"""experimental_distribute_dataset: global batches in, one shard per replica out."""
+"""Input distribution: every source, exact ragged batches, prefetch, InputContext."""
 
+import threading
+
+import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import mirrored
+from _helpers import (
+    SmallMLP,
+    max_relative_difference,
+    params_of,
+    train_single_device,
+    train_step,
+)
+from mirrored import _batching, _input
 
 
 @pytest.fixture
@@ -12,25 +26,112 @@ def strategy(devices):
     return mirrored.MirroredStrategy(devices)
 
 
-def test_arrays_with_global_batch_size(strategy, devices):
-    x = np.arange(128 * 2, dtype=np.float32).reshape(128, 2)
-    y = np.arange(128)
-    dist = strategy.experimental_distribute_dataset((x, y), batch_size=64)
-    assert len(dist) == 2
-    seen = []
-    for xb, yb in dist:
-        assert isinstance(xb, mirrored.PerReplica) and xb.shape == (8, 2)
-        for i, local in enumerate(strategy.experimental_local_results(yb)):
-            assert local.sharding.device_set == {devices[i]}
-            seen.extend(np.asarray(local).tolist())
-    assert seen == list(range(128))  # in order, each row once
+def real_rows(strategy, value):
+    """The real (unpadded) rows of a distributed batch leaf, in replica order."""
+    return np.asarray(strategy.gather(value, axis=0))
+
+
+# -- every example exactly once --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_example_once_per_epoch_with_a_ragged_last_batch(devices, n, shuffle):
+    strategy = mirrored.MirroredStrategy(devices[:n])
+    ids = np.arange(1000)
+    features = np.stack([ids, -ids], axis=1).astype(np.float32)
+    dist = strategy.experimental_distribute_dataset(
+        (features, ids), batch_size=64, shuffle=shuffle, seed=1
+    )
+    assert len(dist) == 16  # ceil(1000 / 64): the last batch holds 40
+    seen, shapes = [], set()
+    for x, y in dist:
+        shapes.add(x.global_value.shape)
+        got = real_rows(strategy, y)
+        np.testing.assert_array_equal(real_rows(strategy, x)[:, 0], got)
+        seen.extend(got.tolist())
+    assert sorted(seen) == list(range(1000))
+    assert shapes == {(64 + (-64) % n, 2)}  # static: padded to a multiple of n, never smaller
+
+
+def test_ragged_mask_marks_exactly_the_real_rows(strategy):
+    (batch,) = list(strategy.experimental_distribute_dataset([np.arange(13)]))
+    mask = np.asarray(batch.mask.global_value)
+    assert mask.shape == (16,) and mask.sum() == 13 and mask[:13].all()
+    per_replica = [np.asarray(m) for m in strategy.experimental_local_results(batch.mask)]
+    assert [int(m.sum()) for m in per_replica] == [2, 2, 2, 2, 2, 2, 1, 0]
+
+
+# -- exactness of training on ragged data ------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_training_with_a_ragged_last_batch_equals_single_device(devices, n):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 12)).astype(np.float32)
+    y = rng.integers(0, 5, 100).astype(np.int32)
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 100, 32)]  # 32, 32, 32, 4
+    expected = train_single_device(batches, lambda: optax.sgd(0.5))
+    strategy = mirrored.MirroredStrategy(devices[:n])
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    traces = []
+
+    def step(model, optimizer, x, y):
+        traces.append(1)
+        return train_step(model, optimizer, x, y)
+
+    for xb, yb in strategy.experimental_distribute_dataset((x, y), batch_size=32):
+        strategy.run(step, args=(model, optimizer, xb, yb))
+    got = params_of(model)
+    for name, value in expected.items():
+        assert max_relative_difference(got[name], value) <= 1e-5, name
+    assert len(traces) == 2  # layout trace + program trace: the last batch did not recompile
+
+
+def test_loss_of_a_mostly_padded_batch_averages_only_real_examples(strategy):
+    batches = [np.full(16, 1.0, np.float32), np.full(3, 2.0, np.float32)]
+    full, ragged = list(strategy.experimental_distribute_dataset(batches))
+    assert ragged.global_value.shape == (16,)  # padded to the first batch's static shape
+
+    def fn(x):
+        return mirrored.compute_average_loss(x)
+
+    assert float(strategy.reduce("SUM", strategy.run(fn, args=(full,)))) == 1.0
+    assert float(strategy.reduce("SUM", strategy.run(fn, args=(ragged,)))) == 2.0
+
+
+def test_mask_and_count_reach_the_replica_context(strategy):
+    (batch,) = list(strategy.experimental_distribute_dataset([np.ones(10, np.float32)]))
+
+    def fn(x):
+        ctx = mirrored.get_replica_context()
+        return jnp.sum(x * ctx.example_mask), ctx.example_count
+
+    hits, count = strategy.run(fn, args=(batch,))
+    assert float(strategy.reduce("SUM", hits)) == 10.0 and int(count) == 10
+
+
+def test_misaligned_losses_are_refused(strategy):
+    (batch,) = list(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)]))
+    with pytest.raises(ValueError, match=r"this replica's 2 rows"):
+        strategy.run(lambda x: mirrored.compute_average_loss(x.reshape(-1)), args=(batch,))
+
+
+def test_gather_of_a_padded_batch_drops_padding(strategy):
+    (batch,) = list(strategy.experimental_distribute_dataset([np.arange(11)]))
+    np.testing.assert_array_equal(strategy.gather(batch, 0), np.arange(11))
+
+
+# -- sources -----------------------------------------------------------------------------------
 
 
 def test_shuffle_is_seeded_and_differs_per_epoch(strategy):
     y = np.arange(64)
 
     def epoch(dist):
-        return np.concatenate([np.asarray(strategy.gather(b, 0)) for (b,) in dist])
+        return np.concatenate([real_rows(strategy, b) for (b,) in dist])
 
     first = strategy.experimental_distribute_dataset((y,), batch_size=16, shuffle=True, seed=3)
     again = strategy.experimental_distribute_dataset((y,), batch_size=16, shuffle=True, seed=3)
@@ -41,12 +142,42 @@ def test_shuffle_is_seeded_and_differs_per_epoch(strategy):
 
 def test_iterables_and_dicts_of_batches(strategy):
     batches = [{"x": np.ones((16, 3)), "y": np.zeros(16)} for _ in range(3)]
-    dist = strategy.experimental_distribute_dataset(batches)
-    out = list(dist)
+    out = list(strategy.experimental_distribute_dataset(batches))
     assert len(out) == 3 and set(out[0]) == {"x", "y"}
     assert out[0]["x"].shape == (2, 3)
-    gen = strategy.experimental_distribute_dataset(b for b in batches)
-    assert len(list(gen)) == 3
+    assert len(list(strategy.experimental_distribute_dataset(b for b in batches))) == 3
+
+
+def test_grain_datasets(strategy):
+    records = np.arange(50)
+    batched = grain.MapDataset.source(records).batch(16)
+    dist = strategy.experimental_distribute_dataset(batched)
+    assert len(dist) == 4
+    assert np.concatenate([real_rows(strategy, b) for b in dist]).tolist() == list(range(50))
+    by_us = strategy.experimental_distribute_dataset(
+        grain.MapDataset.source(records), batch_size=16
+    )
+    assert sum(len(real_rows(strategy, b)) for b in by_us) == 50
+    streamed = grain.MapDataset.source(records).to_iter_dataset().batch(16)
+    got = np.concatenate(
+        [real_rows(strategy, b) for b in strategy.experimental_distribute_dataset(streamed)]
+    )
+    assert got.tolist() == list(range(50))
+
+
+def test_tf_data_when_installed(strategy):
+    tf = pytest.importorskip("tensorflow", reason="tensorflow is optional and not installed here")
+    ds = tf.data.Dataset.from_tensor_slices((np.arange(20), np.arange(20) * 2)).batch(8)
+    rows = [real_rows(strategy, y) for _, y in strategy.experimental_distribute_dataset(ds)]
+    assert np.concatenate(rows).tolist() == list(range(0, 40, 2))
+
+
+def test_torch_dataloader_when_installed(strategy):
+    torch = pytest.importorskip("torch", reason="torch is optional and not installed here")
+    data = torch.utils.data.TensorDataset(torch.arange(20), torch.arange(20) * 2)
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    rows = [real_rows(strategy, y) for _, y in strategy.experimental_distribute_dataset(loader)]
+    assert np.concatenate(rows).tolist() == list(range(0, 40, 2))
 
 
 def test_drop_remainder(strategy):
@@ -56,11 +187,127 @@ def test_drop_remainder(strategy):
     assert len(dist) == 3 and len(list(dist)) == 3
 
 
-def test_indivisible_batch_explains_the_fix(strategy):
-    dist = strategy.experimental_distribute_dataset((np.zeros((100, 1)),), batch_size=32)
-    with pytest.raises(ValueError, match=r"batch of 4 rows \(4 / 8 = 0.5 per replica\)") as info:
-        list(dist)
-    assert "drop_remainder=True" in str(info.value)
+def test_without_prefetch(strategy):
+    options = mirrored.InputOptions(experimental_fetch_to_device=False)
+    dist = strategy.experimental_distribute_dataset((np.arange(40),), options, batch_size=16)
+    assert sum(len(real_rows(strategy, b)) for (b,) in dist) == 40
+
+
+def test_prefetch_runs_ahead_on_a_background_thread(strategy):
+    produced = []
+
+    def source():
+        for i in range(4):
+            produced.append(threading.current_thread().name)
+            yield np.full(8, i)
+
+    options = mirrored.InputOptions(experimental_per_replica_buffer_size=3)
+    iterator = iter(strategy.experimental_distribute_dataset(source(), options))
+    next(iterator)
+    for _ in range(100):  # the producer fills the buffer without being asked
+        if len(produced) == 4:
+            break
+        threading.Event().wait(0.01)
+    assert produced == ["mirrored-prefetch"] * 4
+
+
+def test_a_bad_batch_midway_raises_in_order(strategy):
+    batches = [np.zeros(8), np.zeros(8), np.ones(8), "bad"]
+    seen = []
+    with pytest.raises(TypeError, match="found str"):
+        for batch in strategy.experimental_distribute_dataset(batches):
+            seen.append(batch)
+    assert len(seen) == 3
+
+
+# -- distribute_datasets_from_function ------------------------------------------------------------
+
+
+def test_distribute_datasets_from_function(strategy):
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        per_replica = ctx.get_per_replica_batch_size(32)
+        return grain.MapDataset.source(np.arange(70)).batch(per_replica)
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    (ctx,) = contexts
+    assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 8)
+    batches = list(dist)
+    assert len(dist) == 3 and len(batches) == 3
+    first = [np.asarray(v) for v in strategy.experimental_local_results(batches[0])]
+    assert [v.tolist() for v in first[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # replica i: batch i
+    assert np.concatenate([real_rows(strategy, b) for b in batches]).tolist() == list(range(70))
+
+
+def test_input_context_per_replica_batch_size():
+    ctx = mirrored.InputContext(num_replicas_in_sync=8)
+    assert ctx.get_per_replica_batch_size(64) == 8
+    with pytest.raises(ValueError, match=r"divisible by the 8 replicas; found 60 \(7.5 per"):
+        ctx.get_per_replica_batch_size(60)
+    with pytest.raises(ValueError, match="0 examples"):
+        ctx.get_per_replica_batch_size(4)
+
+
+def test_input_options_are_validated():
+    with pytest.raises(ValueError, match="positive int"):
+        mirrored.InputOptions(experimental_per_replica_buffer_size=0)
+
+
+# -- multi-process slicing (pure logic, process count mocked) --------------------------------------
+
+
+def test_process_rows_partition_the_padded_batch():
+    blocks = [_batching.process_rows(64, 4, p) for p in range(4)]
+    assert [(b.start, b.stop) for b in blocks] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    with pytest.raises(ValueError, match="same number of devices"):
+        _batching.process_rows(30, 4, 0)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_process_gathers_only_its_rows(shuffle):
+    ids = np.arange(50)
+    common = dict(batch_size=16, shuffle=shuffle, seed=0, epoch=1, drop_remainder=False)
+    single = list(_input.array_batches((ids,), num_replicas=8, processes=(1, 0), **common))
+    parts = [
+        list(_input.array_batches((ids,), num_replicas=8, processes=(2, p), **common))
+        for p in range(2)
+    ]
+    for whole, first, second in zip(single, *parts, strict=True):
+        np.testing.assert_array_equal(
+            np.concatenate([first.leaves[0], second.leaves[0]]), whole.leaves[0]
+        )
+        np.testing.assert_array_equal(np.concatenate([first.mask, second.mask]), whole.mask)
+        assert first.real == whole.real == second.real and first.leaves[0].shape == (8,)
+
+
+def test_iterable_batches_per_process():
+    batches = [np.arange(16), np.arange(16, 21)]
+    parts = [
+        list(_input.iterable_batches(batches, num_replicas=8, processes=(2, p))) for p in range(2)
+    ]
+    last = [p[1] for p in parts]
+    assert [b.mask.sum() for b in last] == [5, 0] and last[0].real == 5
+    assert np.concatenate([b.leaves[0] for b in last])[:5].tolist() == list(range(16, 21))
+
+
+def test_distributed_dataset_uses_the_process_slice(strategy, monkeypatch):
+    monkeypatch.setattr(_input, "process_info", lambda: (2, 1))
+    dist = _input.distribute_dataset(
+        strategy,
+        (np.arange(32),),
+        None,
+        batch_size=32,
+        shuffle=False,
+        seed=0,
+        drop_remainder=False,
+    )
+    host = list(dist._batches(1))
+    assert host[0].leaves[0].tolist() == list(range(16, 32))
+
+
+# -- bad input -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -71,7 +318,8 @@ def test_indivisible_batch_explains_the_fix(strategy):
         ([], ValueError, "yielded none"),
         ([(np.zeros((8, 2)),), {"x": np.zeros((8, 2))}], ValueError, "structure of the first"),
         ([(np.zeros((0, 2)),)], ValueError, "0 rows"),
-        ([(np.float32(1.0),)], ValueError, "leading batch axis"),
+        ([(np.float32(1.0),)], ValueError, r"leading batch axis.*\.batch\(global_batch_size\)"),
+        ([np.zeros(3)], ValueError, "gives each of the 8 replicas 0 examples"),
     ],
 )
 def test_bad_batches(strategy, batches, error, match):
@@ -79,11 +327,19 @@ def test_bad_batches(strategy, batches, error, match):
         list(strategy.experimental_distribute_dataset(batches))
 
 
-def test_arrays_need_a_batch_size(strategy):
+def test_bad_arguments(strategy):
     with pytest.raises(TypeError, match="batch_size=256"):
         strategy.experimental_distribute_dataset(np.zeros((8, 2)))
     with pytest.raises(ValueError, match="GLOBAL batch size"):
         strategy.experimental_distribute_dataset((np.zeros((8, 2)),), batch_size=0)
+    with pytest.raises(ValueError, match="0 examples"):
+        strategy.experimental_distribute_dataset((np.zeros((8, 2)),), batch_size=4)
+    with pytest.raises(ValueError, match="shuffle inside the pipeline"):
+        strategy.experimental_distribute_dataset([np.zeros(8)], shuffle=True)
+    with pytest.raises(ValueError, match="non-empty"):
+        strategy.experimental_distribute_dataset((np.zeros((0, 2)),), batch_size=8)
+    with pytest.raises(TypeError, match="unknown"):
+        len(strategy.experimental_distribute_dataset(b for b in [np.zeros(8)]))
 
 
 def test_jax_arrays_are_accepted(strategy):

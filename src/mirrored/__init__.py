@@ -1,7 +1,7 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
 from mirrored._context import ReplicaContext
-from mirrored._input import DistributedDataset
+from mirrored._input import DistributedDataset, InputContext, InputOptions
 from mirrored._losses import compute_average_loss, scale_regularization_loss
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._platform import simulate_cpu_devices
@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     "REPLICA_AXIS",
     "DistributedDataset",
+    "InputContext",
+    "InputOptions",
     "MirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",

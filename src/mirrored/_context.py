@@ -90,9 +90,31 @@ class ReplicaContext:
         ...     return ctx.all_reduce("SUM", x.sum())
     """
 
-    def __init__(self, strategy: Strategy, *, in_spmd: bool) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        in_spmd: bool,
+        example_mask: Any = None,
+        example_count: Any = None,
+    ) -> None:
         self._strategy = strategy
         self._in_spmd = in_spmd
+        self._example_mask = example_mask
+        self._example_count = example_count
+
+    @property
+    def example_mask(self) -> Any:
+        """This replica's real-example mask when a padded batch was passed to `run`, else None.
+
+        `compute_average_loss` applies it on its own; use it for hand-written metrics.
+        """
+        return self._example_mask
+
+    @property
+    def example_count(self) -> Any:
+        """Real examples in the GLOBAL batch when a padded batch was passed to `run`, else None."""
+        return self._example_count
 
     @property
     def strategy(self) -> Strategy:

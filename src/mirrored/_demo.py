@@ -51,8 +51,10 @@ def train_step(model: DigitsMLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.
     return loss
 
 
-def correct_count(model: DigitsMLP, x: jax.Array, y: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.sum((jnp.argmax(model(x), axis=-1) == y) * weight)
+def correct_count(model: DigitsMLP, x: jax.Array, y: jax.Array) -> jax.Array:
+    # The last test batch is padded to the static batch shape; count only real examples.
+    mask = mirrored.get_replica_context().example_mask  # type: ignore[union-attr]
+    return jnp.sum((jnp.argmax(model(x), axis=-1) == y) & mask)
 
 
 def run_demo(
@@ -64,19 +66,19 @@ def run_demo(
     n = strategy.num_replicas_in_sync
     devices = ", ".join(device_name(d) for d in strategy.extended.worker_devices)
     console.print(f"[bold]MirroredStrategy[/bold] with {n} replica(s) on {devices}")
-    if batch_size % n:
-        raise ValueError(
-            f"Expected --batch-size to be a multiple of the {n} replicas; found {batch_size}. "
-            f"Fix: use --batch-size {batch_size + (-batch_size) % n}."
-        )
-    console.print(f"global batch {batch_size} = {n} replicas × {batch_size // n} per replica")
+    padded = batch_size + (-batch_size) % n
+    per_replica = mirrored.InputContext(num_replicas_in_sync=n).get_per_replica_batch_size(padded)
+    note = f" (padded from {batch_size}, padding masked)" if padded != batch_size else ""
+    console.print(f"global batch {padded} = {n} replicas × {per_replica} per replica{note}")
 
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     with strategy.scope():
         model = DigitsMLP(rngs=nnx.Rngs(seed))
         optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+    # 1,437 examples: the last batch of each epoch is ragged, padded and masked, and counts
+    # every real example exactly once.
     train = strategy.experimental_distribute_dataset(
-        (x_train, y_train), batch_size=batch_size, shuffle=True, seed=seed, drop_remainder=True
+        (x_train, y_train), batch_size=batch_size, shuffle=True, seed=seed
     )
     losses = []
     start = time.perf_counter()
@@ -102,15 +104,10 @@ def run_demo(
             progress.remove_task(task)
             console.print(f"epoch {epoch:>3}/{epochs}  loss {mean_loss:.4f}")
 
-    # Pad the test set to a multiple of the replica count; weight 0 keeps padding out of the count.
-    pad = (-len(x_test)) % n
-    weights = np.concatenate([np.ones(len(x_test)), np.zeros(pad)]).astype(np.float32)
-    x_eval = np.concatenate([x_test, np.zeros((pad, x_test.shape[1]), np.float32)])
-    y_eval = np.concatenate([y_test, np.zeros(pad, np.int32)])
-    test = strategy.experimental_distribute_dataset([(x_eval, y_eval, weights)])
+    test = strategy.experimental_distribute_dataset((x_test, y_test), batch_size=batch_size)
     correct = sum(
-        float(strategy.reduce("SUM", strategy.run(correct_count, args=(model, *batch))))
-        for batch in test
+        float(strategy.reduce("SUM", strategy.run(correct_count, args=(model, x, y))))
+        for x, y in test
     )
     accuracy = correct / len(x_test)
     seconds = time.perf_counter() - start

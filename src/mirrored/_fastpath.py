@@ -58,6 +58,7 @@ class Guard:
         data_treedef: Any,
         data_kinds: str,
         data_statics: list[Any],
+        masked: bool,
         program: Any,
         unique: list[Any],
     ) -> None:
@@ -73,6 +74,7 @@ class Guard:
         self.data_treedef = data_treedef
         self.data_kinds = data_kinds
         self.data_statics = data_statics
+        self.masked = masked
         self.program = program
         self.unique = unique
         # The arrays the last step wrote into `unique`: mirrored by construction.
@@ -90,6 +92,7 @@ class Guard:
             data_treedef=None,
             data_kinds="",
             data_statics=[],
+            masked=False,
             program=program,
             unique=unique,
         )
@@ -128,6 +131,7 @@ class Guard:
             data_treedef=data_treedef,
             data_kinds="".join(data.kinds),
             data_statics=data.statics,
+            masked=data.mask is not None,
             program=program,
             unique=unique,
         )
@@ -160,6 +164,7 @@ class Guard:
         if treedef != self.data_treedef:
             return None
         split, rep = [], []
+        mask = count = None
         statics = iter(self.data_statics)
         for leaf, kind in zip(leaves, self.data_kinds, strict=True):
             found = type_kind(type(leaf))
@@ -167,6 +172,8 @@ class Guard:
                 if found != "p" or leaf.stacked != (kind == "k"):
                     return None
                 check_split(leaf)
+                if mask is None and leaf._mask is not None:
+                    mask, count = leaf._mask, leaf._count
                 split.append(leaf.global_value)
             elif kind == "m":
                 if found != "a" or not is_mirrored(leaf):
@@ -178,7 +185,13 @@ class Guard:
                 rep.append(leaf)
             elif found != "x" or leaf != next(statics):
                 return None
+        if (mask is not None) != self.masked:
+            return None
+        if mask is not None:
+            split.append(mask)
+            rep.append(count)
         state = [v.get_raw_value() for v in self.unique]
-        if not all(map(operator.is_, state, self.written)) and not all(map(is_mirrored, state)):
+        ours = len(state) == len(self.written) and all(map(operator.is_, state, self.written))
+        if not ours and not all(map(is_mirrored, state)):
             return None
         return state, split, rep

@@ -1,164 +1,387 @@
-"""Distributed datasets: global batches in, one shard per replica out."""
+"""Distributed datasets: global batches in, one padded, masked shard per replica out.
+
+Every source becomes a stream of host batches holding only this process's rows, padded to a
+static shape with a mask of real examples; a background thread places them on the devices
+ahead of compute (`InputOptions`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 
+from mirrored import _batching
+from mirrored._prefetch import Prefetcher
 from mirrored._values import PerReplica
 
 if TYPE_CHECKING:
     from mirrored._strategy import Strategy
 
 
-def _leading_size(leaves: list[Any]) -> int:
-    sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
-    if -1 in sizes:
-        raise ValueError(
-            "Expected every leaf of a batch to have a leading batch axis; found a scalar. "
-            "Fix: yield arrays of shape (batch, ...)."
-        )
-    if len(sizes) != 1:
-        raise ValueError(
-            f"Expected every leaf of a batch to have the same leading (batch) size; found sizes "
-            f"{sorted(sizes)}. Fix: make features and labels the same length."
-        )
-    return sizes.pop()
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How distributed datasets feed the devices.
+
+    Args:
+        experimental_fetch_to_device: prepare and transfer upcoming batches on a background
+            thread while the devices compute (True), or place each batch when it is requested.
+        experimental_per_replica_buffer_size: how many batches to keep ready ahead.
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_per_replica_buffer_size: int = 2
+
+    def __post_init__(self) -> None:
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"Expected experimental_per_replica_buffer_size to be a positive int; found "
+                f"{size!r}. Fix: 2 (double buffering) suits most pipelines."
+            )
 
 
-def _as_host_array(x: Any) -> Any:
-    if isinstance(x, jax.Array | np.ndarray):
-        return x
-    if hasattr(x, "__array__") or isinstance(x, list | tuple | int | float):
-        array = np.asarray(x)
-        if array.dtype != object:
-            return array
-    raise TypeError(
-        f"Expected batch leaves to be arrays (NumPy, JAX, or array-likes); found "
-        f"{type(x).__name__}: {x!r:.80}. Fix: convert it to a NumPy array, or drop it from the "
-        "batch."
-    )
+class InputContext:
+    """What `distribute_datasets_from_function` tells `dataset_fn` about its input pipeline."""
+
+    def __init__(
+        self,
+        num_input_pipelines: int = 1,
+        input_pipeline_id: int = 0,
+        num_replicas_in_sync: int = 1,
+    ) -> None:
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """`global_batch_size / num_replicas_in_sync`; an error when it does not divide."""
+        return _batching.per_replica_batch_size(global_batch_size, self.num_replicas_in_sync)
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+            f"input_pipeline_id={self.input_pipeline_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class HostBatch(NamedTuple):
+    """This process's rows of one padded global batch, still on the host."""
+
+    treedef: Any
+    leaves: list[Any]
+    mask: np.ndarray
+    real: int  # real examples in the whole global batch
+    size: int  # rows of the padded global batch
+
+
+def process_info() -> tuple[int, int]:
+    """(process count, this process's index); one place for tests to pretend multi-process."""
+    return jax.process_count(), jax.process_index()
+
+
+class _Structure:
+    """Checks that every batch has the structure of the first and array leaves."""
+
+    def __init__(self) -> None:
+        self.treedef: Any = None
+
+    def leaves(self, batch: Any) -> tuple[Any, list[Any]]:
+        leaves, treedef = jax.tree.flatten(batch)
+        if not leaves:
+            raise ValueError(f"Expected a batch of arrays; found {batch!r:.80} with no arrays.")
+        if self.treedef is None:
+            self.treedef = treedef
+        elif treedef != self.treedef:
+            raise ValueError(
+                f"Expected every batch to have the structure of the first one, {self.treedef}; "
+                f"found {treedef}. Fix: yield the same tuple/dict layout every step."
+            )
+        return treedef, [_batching.as_host_array(x) for x in leaves]
+
+
+def _nonempty(rows: int) -> None:
+    if rows == 0:
+        raise ValueError(
+            "Expected a batch with at least one row; found a batch of 0 rows (0 per replica). "
+            "Fix: skip empty batches in the dataset."
+        )
+
+
+def array_batches(
+    arrays: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    drop_remainder: bool,
+    num_replicas: int,
+    processes: tuple[int, int],
+) -> Iterator[HostBatch]:
+    """The in-memory fast path: a (shuffled) index gather of this process's rows, in NumPy."""
+    leaves, treedef = jax.tree.flatten(arrays)
+    size = _batching.leading_size(leaves)
+    order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else None
+    for start in range(0, size, batch_size):
+        rows = min(batch_size, size - start)
+        if drop_remainder and rows < batch_size:
+            return
+        total = _batching.padded_size(rows, batch_size, num_replicas)
+        local = _batching.process_rows(total, *processes)
+        first, last = start + local.start, start + min(local.stop, rows)
+        real = max(0, last - first)
+        width = local.stop - local.start
+        if order is None and real == width:
+            out = [x[first:last] for x in leaves]  # contiguous rows: no gather needed
+        else:
+            index = order[first:last] if order is not None else np.arange(first, last)
+            out = []
+            for x in leaves:
+                gathered = np.empty((width, *x.shape[1:]), x.dtype)
+                np.take(x, index, axis=0, out=gathered[:real])
+                gathered[real:] = 0
+                out.append(gathered)
+        mask = _batching.example_mask(rows, total)[local]
+        yield HostBatch(treedef, out, mask, rows, total)
+
+
+def iterable_batches(
+    source: Iterable[Any], *, num_replicas: int, processes: tuple[int, int]
+) -> Iterator[HostBatch]:
+    """Global batches from any iterable; the first batch's size is the static shape."""
+    structure = _Structure()
+    target = None
+    for batch in source:
+        treedef, leaves = structure.leaves(batch)
+        rows = _batching.leading_size(leaves)
+        _nonempty(rows)
+        if target is None:
+            if rows < num_replicas:
+                _batching.per_replica_batch_size(rows, num_replicas)  # raises: 0 per replica
+            target = rows
+        total = _batching.padded_size(rows, target, num_replicas)
+        local = _batching.process_rows(total, *processes)
+        if total != rows:
+            leaves = _batching.pad_to(leaves, rows, total)
+        if local != slice(0, total):
+            leaves = [x[local] for x in leaves]
+        mask = _batching.example_mask(rows, total)[local]
+        yield HostBatch(treedef, leaves, mask, rows, total)
+
+
+def per_replica_batches(
+    source: Iterable[Any], *, num_replicas: int, processes: tuple[int, int]
+) -> Iterator[HostBatch]:
+    """TensorFlow's `distribute_datasets_from_function`: each local replica takes its own batch."""
+    local_replicas = num_replicas // processes[0]
+    structure = _Structure()
+    target = 0
+    elements = iter(source)
+    while group := list(itertools.islice(elements, local_replicas)):
+        parts = []
+        for batch in group:
+            treedef, leaves = structure.leaves(batch)
+            rows = _batching.leading_size(leaves)
+            _nonempty(rows)
+            parts.append((leaves, rows))
+        target = max(target, *(rows for _, rows in parts))
+        empty = [np.zeros((0, *np.shape(x)[1:]), np.asarray(x).dtype) for x in parts[0][0]]
+        parts += [(empty, 0)] * (local_replicas - len(parts))  # the data ran out mid-step
+        columns = zip(
+            *(_batching.pad_to(leaves, rows, target) for leaves, rows in parts), strict=True
+        )
+        leaves = [np.concatenate(column) for column in columns]
+        mask = np.concatenate([_batching.example_mask(rows, target) for _, rows in parts])
+        count = sum(rows for _, rows in parts) * processes[0]  # other pipelines: assume full
+        yield HostBatch(treedef, leaves, mask, count, target * num_replicas)
 
 
 class DistributedDataset:
     """An iterable of distributed batches: each leaf a `PerReplica` split over the replicas.
 
-    Made by `strategy.experimental_distribute_dataset`. Iterating again starts a new epoch
-    (reshuffled when `shuffle=True`).
+    Made by `strategy.experimental_distribute_dataset` or `distribute_datasets_from_function`.
+    Iterating again starts a new epoch (reshuffled when `shuffle=True`). Batches are padded to
+    a static shape; `batch_leaf.mask` marks the real examples, and `compute_average_loss` uses
+    it inside `strategy.run` without any plumbing.
     """
 
     def __init__(
         self,
         strategy: Strategy,
-        source: Any,
+        batches: Callable[[int], Iterator[HostBatch]],
         *,
-        batch_size: int | None,
-        shuffle: bool,
-        seed: int,
-        drop_remainder: bool,
+        length: int | None,
+        options: InputOptions | None,
     ) -> None:
         self._strategy = strategy
         self._n = strategy.num_replicas_in_sync
-        self._batch_size = batch_size
-        self._shuffle = shuffle
-        self._seed = seed
-        self._drop_remainder = drop_remainder
+        self._batches = batches
+        self._length = length
+        self._options = options or InputOptions()
         self._epoch = 0
-        self._treedef: Any = None
-        if batch_size is not None:
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(
-                    f"Expected batch_size to be a positive int (the GLOBAL batch size); found "
-                    f"{batch_size!r}."
-                )
-            self._arrays = jax.tree.map(_as_host_array, source)
-            self._size = _leading_size(jax.tree.leaves(self._arrays))
-            if self._size == 0:
-                raise ValueError("Expected a non-empty dataset; found arrays with 0 rows.")
-            self._source: Iterable[Any] | None = None
-        else:
-            if isinstance(source, np.ndarray | jax.Array | dict) or not isinstance(
-                source, Iterable
-            ):
-                raise TypeError(
-                    "Expected an iterable of GLOBAL batches, or in-memory arrays together with "
-                    f"batch_size=...; found {type(source).__name__} without batch_size. Fix: "
-                    "strategy.experimental_distribute_dataset((x, y), batch_size=256)."
-                )
-            self._source = source
+        self._processes = process_info()[0]
 
     @property
     def num_replicas_in_sync(self) -> int:
         return self._n
 
     def __len__(self) -> int:
-        if self._source is not None:
-            return len(self._source)  # type: ignore[arg-type]
-        assert self._batch_size is not None
-        if self._drop_remainder:
-            return self._size // self._batch_size
-        return math.ceil(self._size / self._batch_size)
+        if self._length is None:
+            raise TypeError(
+                "This dataset's number of batches is unknown (its source has no len()). Fix: "
+                "pass steps_per_epoch, or give the source a length."
+            )
+        return self._length
 
-    def _array_batches(self) -> Iterator[Any]:
-        assert self._batch_size is not None
-        order = np.arange(self._size)
-        if self._shuffle:
-            order = np.random.default_rng([self._seed, self._epoch]).permutation(self._size)
-        for start in range(0, self._size, self._batch_size):
-            index = order[start : start + self._batch_size]
-            if self._drop_remainder and len(index) < self._batch_size:
-                return
-            yield jax.tree.map(lambda a, i=index: a[i], self._arrays)
+    def _place(self, batch: HostBatch) -> Any:
+        split, replicated = self._strategy._split, self._strategy._replicated
+        arrays = [*batch.leaves, batch.mask]
+        if self._processes == 1:  # one call moves the whole batch
+            placed = jax.device_put(
+                [*arrays, np.int32(batch.real)], [split] * len(arrays) + [replicated]
+            )
+            count = placed.pop()
+        else:
+            placed = [
+                jax.make_array_from_process_local_data(split, x, (batch.size, *np.shape(x)[1:]))
+                for x in arrays
+            ]
+            count = jax.device_put(np.int32(batch.real), replicated)
+        mask = placed.pop()
+        return jax.tree.unflatten(
+            batch.treedef,
+            [
+                PerReplica(x, num_replicas=self._n, stacked=False, mask=mask, count=count)
+                for x in placed
+            ],
+        )
 
     def __iter__(self) -> Iterator[Any]:
-        batches = iter(self._source) if self._source is not None else self._array_batches()
         self._epoch += 1
-        produced = 0
-        for batch in batches:
-            produced += 1
-            yield self._place(batch)
-        if produced == 0:
-            raise ValueError(
-                "Expected the dataset to yield at least one batch; it yielded none. Fix: check "
-                "that it is not exhausted (a generator can only be iterated once) or empty."
-            )
+        placed = map(self._place, _nonempty_stream(self._batches(self._epoch)))
+        if not self._options.experimental_fetch_to_device:
+            return placed
+        return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
 
-    def _place(self, batch: Any) -> Any:
-        leaves, treedef = jax.tree.flatten(batch)
-        if not leaves:
-            raise ValueError(f"Expected a batch of arrays; found {batch!r} with no array leaves.")
-        if self._treedef is None:
-            self._treedef = treedef
-        elif treedef != self._treedef:
-            raise ValueError(
-                f"Expected every batch to have the structure of the first one, {self._treedef}; "
-                f"found {treedef}. Fix: yield the same tuple/dict layout every step."
-            )
-        leaves = [_as_host_array(x) for x in leaves]
-        size = _leading_size(leaves)
-        if size == 0:
-            raise ValueError(
-                "Expected a batch with at least one row; found a batch of 0 rows (0 per "
-                "replica). Fix: skip empty batches in the dataset."
-            )
-        if size % self._n:
-            raise ValueError(
-                f"Expected the global batch size to be divisible by the {self._n} replicas; "
-                f"found a batch of {size} rows ({size} / {self._n} = {size / self._n:g} per "
-                "replica). Fix: pick a global batch size that is a multiple of "
-                f"num_replicas_in_sync, or pass drop_remainder=True to skip a short last batch."
-            )
-        sharding = self._strategy._split
-        placed = [
-            jax.device_put(x, sharding)
-            if isinstance(x, jax.Array)
-            else jax.make_array_from_process_local_data(sharding, x)
-            for x in leaves
-        ]
-        return jax.tree.unflatten(
-            treedef, [PerReplica(x, num_replicas=self._n, stacked=False) for x in placed]
+
+def _nonempty_stream(batches: Iterator[HostBatch]) -> Iterator[HostBatch]:
+    produced = False
+    for batch in batches:
+        produced = True
+        yield batch
+    if not produced:
+        raise ValueError(
+            "Expected the dataset to yield at least one batch; it yielded none. Fix: check "
+            "that it is not exhausted (a generator can only be iterated once) or empty."
         )
+
+
+def _as_iterable(source: Any) -> Iterable[Any]:
+    if type(source).__module__.startswith("tensorflow") and hasattr(source, "as_numpy_iterator"):
+        return source.as_numpy_iterator()  # type: ignore[no-any-return]
+    return source  # type: ignore[no-any-return]
+
+
+def _length(source: Any) -> int | None:
+    try:
+        return len(source)
+    except TypeError:  # unknown or infinite (tf.data raises TypeError too)
+        return None
+
+
+def distribute_dataset(
+    strategy: Strategy,
+    dataset: Any,
+    options: InputOptions | None,
+    *,
+    batch_size: int | None,
+    shuffle: bool,
+    seed: int,
+    drop_remainder: bool,
+) -> DistributedDataset:
+    n = strategy.num_replicas_in_sync
+    processes = process_info()
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"Expected batch_size to be a positive int (the GLOBAL batch size); found "
+                f"{batch_size!r}."
+            )
+        if batch_size < n:
+            _batching.per_replica_batch_size(batch_size, n)  # raises: 0 per replica
+    if batch_size is not None and not hasattr(dataset, "batch"):
+        arrays = jax.tree.map(_batching.as_host_array, dataset)
+        size = _batching.leading_size(jax.tree.leaves(arrays))
+        if size == 0:
+            raise ValueError("Expected a non-empty dataset; found arrays with 0 rows.")
+        steps = size // batch_size if drop_remainder else math.ceil(size / batch_size)
+        return DistributedDataset(
+            strategy,
+            lambda epoch: array_batches(
+                arrays,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                epoch=epoch,
+                drop_remainder=drop_remainder,
+                num_replicas=n,
+                processes=processes,
+            ),
+            length=steps,
+            options=options,
+        )
+    if shuffle:
+        raise ValueError(
+            "shuffle=True applies to in-memory arrays given with batch_size; found a "
+            f"{type(dataset).__name__}. Fix: shuffle inside the pipeline (e.g. Grain's "
+            ".shuffle(seed)) and pass shuffle=False."
+        )
+    if batch_size is not None:  # a Grain dataset of single examples: batch it here
+        dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+    if isinstance(dataset, np.ndarray | jax.Array | dict | tuple) or not isinstance(
+        dataset, Iterable
+    ):
+        raise TypeError(
+            "Expected an iterable of GLOBAL batches (a list, generator, Grain dataset, tf.data "
+            "Dataset or torch DataLoader), or in-memory arrays together with batch_size=...; "
+            f"found {type(dataset).__name__} without batch_size. Fix: "
+            "strategy.experimental_distribute_dataset((x, y), batch_size=256)."
+        )
+    source = _as_iterable(dataset)
+    return DistributedDataset(
+        strategy,
+        lambda epoch: iterable_batches(source, num_replicas=n, processes=processes),
+        length=_length(dataset),
+        options=options,
+    )
+
+
+def distribute_from_function(
+    strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
+) -> DistributedDataset:
+    n = strategy.num_replicas_in_sync
+    processes = process_info()
+    context = InputContext(processes[0], processes[1], n)
+    dataset = dataset_fn(context)
+    if not isinstance(dataset, Iterable):
+        raise TypeError(
+            f"Expected dataset_fn to return an iterable of per-replica batches; found "
+            f"{type(dataset).__name__}. Fix: return a dataset batched with "
+            "input_context.get_per_replica_batch_size(global_batch_size)."
+        )
+    source = _as_iterable(dataset)
+    length = _length(dataset)
+    local_replicas = n // processes[0]
+    return DistributedDataset(
+        strategy,
+        lambda epoch: per_replica_batches(source, num_replicas=n, processes=processes),
+        length=None if length is None else math.ceil(length / local_replicas),
+        options=options,
+    )

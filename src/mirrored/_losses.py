@@ -48,6 +48,20 @@ def compute_average_loss(
         )
     if sample_weight is not None:
         losses = losses * jnp.asarray(sample_weight, dtype=losses.dtype)
+    ctx = _context.current_replica_context()
+    mask = ctx.example_mask if ctx is not None else None
+    if mask is not None:
+        if losses.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"compute_average_loss expected per-example losses for this replica's "
+                f"{mask.shape[0]} rows (the batch is padded, and the padding mask must line up "
+                f"with the losses); found shape {losses.shape}. Fix: keep the batch axis first "
+                "and unflattened, e.g. a loss of shape (batch,) or (batch, tokens)."
+            )
+        # Padded rows contribute nothing; the real rows of the global batch are counted once.
+        losses = losses * mask.reshape(mask.shape + (1,) * (losses.ndim - 1)).astype(losses.dtype)
+        if global_batch_size is None:
+            return jnp.sum(losses) / ctx.example_count.astype(losses.dtype)  # type: ignore[union-attr]
     if global_batch_size is None:
         global_batch_size = losses.shape[0] * _num_replicas()
     elif isinstance(global_batch_size, bool) or (

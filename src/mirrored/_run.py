@@ -59,6 +59,15 @@ class _Sorted:
     split: list[jax.Array] = dataclasses.field(default_factory=list)
     rep: list[Any] = dataclasses.field(default_factory=list)
     statics: list[Any] = dataclasses.field(default_factory=list)
+    # A padded batch among the inputs: its example mask (split) and real-example count.
+    mask: jax.Array | None = None
+    count: jax.Array | None = None
+
+    def with_mask(self) -> tuple[list[Any], list[Any]]:
+        """The split and replicated inputs, the mask and count appended when present."""
+        if self.mask is None:
+            return self.split, self.rep
+        return [*self.split, self.mask], [*self.rep, self.count]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +161,8 @@ class Runner:
                 out.kinds.append(_VARIABLE)
             elif kind == "p":
                 self._check_split(leaf)
+                if out.mask is None and leaf._mask is not None:
+                    out.mask, out.count = leaf._mask, leaf._count
                 out.split.append(leaf.global_value)
                 out.kinds.append(_STACKED if leaf.stacked else _SPLIT)
             elif kind == "a":
@@ -193,16 +204,17 @@ class Runner:
             sharing = tuple(
                 sorted_.slots[id(x)] for x, k in zip(leaves, signature, strict=True) if k == "v"
             )
-        key = (fn, treedef, signature, tuple(sorted_.statics), sharing)
+        masked = sorted_.mask is not None
+        key = (fn, treedef, signature, tuple(sorted_.statics), sharing, masked)
         program = self._programs.get(key)
         if program is None:
-            program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_.unique)
+            program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
             self._programs[key] = program
         guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
         self._guards[fn] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        return self._call(program, guard, sorted_.state, sorted_.split, sorted_.rep)
+        return self._call(program, guard, sorted_.state, *sorted_.with_mask())
 
     def _call(
         self,
@@ -243,8 +255,10 @@ class Runner:
         leaves: list[Any],
         treedef: Any,
         kinds: str,
-        unique: list[nnx.Variable[Any]],
+        sorted_: _Sorted,
+        masked: bool,
     ) -> _Program:
+        unique = sorted_.unique
         captured = _capture.find_captured(fn, self.is_mirrored)
         if captured:
             raise _capture.captured_state_error(fn, captured)
@@ -259,6 +273,10 @@ class Runner:
         recorded: dict[str, Any] = {}
 
         def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+            mask = count = None
+            if masked:
+                mask, count = split[-1], rep[-1]
+                split, rep = split[:-1], rep[:-1]
             fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, state, strict=True)]
             split_it, rep_it = iter(split), iter(rep)
             rebuilt = []
@@ -274,7 +292,11 @@ class Runner:
                 else:
                     rebuilt.append(payload)
             call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
-            token = _context.enter_replica(_context.ReplicaContext(self._strategy, in_spmd=True))
+            token = _context.enter_replica(
+                _context.ReplicaContext(
+                    self._strategy, in_spmd=True, example_mask=mask, example_count=count
+                )
+            )
             try:
                 out = fn(*call_args, **call_kwargs)
             finally:
@@ -301,9 +323,8 @@ class Runner:
                 check_vma=True,
             )
 
-        state = [v.get_raw_value() for v in unique]
-        split = [leaf.global_value for leaf, k in zip(leaves, kinds, strict=True) if k in "sk"]
-        rep = [leaf for leaf, k in zip(leaves, kinds, strict=True) if k in "mc"]
+        state = sorted_.state
+        split, rep = sorted_.with_mask()
         # First trace: learn which outputs differ between replicas, to choose their specs.
         jax.eval_shape(program(None, SPLIT), state, split, rep)
         out_treedef, varying = recorded["out"]

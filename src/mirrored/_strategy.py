@@ -202,6 +202,8 @@ class Strategy:
 
         def one(v: Any) -> jax.Array:
             if isinstance(v, PerReplica) and not v.stacked and axis == 0:
+                if v._mask is not None:  # a padded batch: only its real rows
+                    return v.global_value[np.asarray(v._mask)]
                 return v.global_value
             stacked = self._stacked(v)
             rank = stacked.ndim - 1
@@ -260,7 +262,7 @@ class Strategy:
     def experimental_distribute_dataset(
         self,
         dataset: Any,
-        options: Any = None,
+        options: _input.InputOptions | None = None,
         *,
         batch_size: int | None = None,
         shuffle: bool = False,
@@ -269,23 +271,47 @@ class Strategy:
     ) -> _input.DistributedDataset:
         """Split each GLOBAL batch of `dataset` across the replicas.
 
-        `dataset` is any iterable of global batches (tuples/dicts of arrays), or in-memory
-        arrays (e.g. `(x, y)`) together with `batch_size`, the GLOBAL batch size.
+        `dataset` yields global batches (tuples/dicts of arrays): a list or generator, a Grain
+        `MapDataset`/`IterDataset`, a `tf.data.Dataset` or a torch `DataLoader`. In-memory arrays
+        (e.g. `(x, y)`) take `batch_size`, the GLOBAL batch size, and may be shuffled (seeded,
+        different every epoch) by the fast path: a NumPy index gather on a background thread.
+
+        A batch that does not fill the static shape (the last one, say) is padded with masked
+        rows: every real example counts exactly once and nothing recompiles.
 
         Example:
             >>> dist = strategy.experimental_distribute_dataset((x, y), batch_size=256)
             >>> for xb, yb in dist:  # each a PerReplica: 256 / N rows per replica
             ...     strategy.run(train_step, args=(model, optimizer, xb, yb))
         """
-        del options  # Prefetch options arrive with the input issue; accepted for TF parity.
-        return _input.DistributedDataset(
+        return _input.distribute_dataset(
             self,
             dataset,
+            options,
             batch_size=batch_size,
             shuffle=shuffle,
             seed=seed,
             drop_remainder=drop_remainder,
         )
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[_input.InputContext], Any],
+        options: _input.InputOptions | None = None,
+    ) -> _input.DistributedDataset:
+        """Build the input pipeline from `dataset_fn(InputContext)`; each replica takes one batch.
+
+        `dataset_fn` returns a dataset of PER-REPLICA batches
+        (`ctx.get_per_replica_batch_size(global_batch_size)`); every step, each local replica
+        takes the next one. Short or missing batches at the end are padded and masked.
+
+        Example:
+            >>> def dataset_fn(ctx):
+            ...     per_replica = ctx.get_per_replica_batch_size(256)
+            ...     return grain.MapDataset.source(records).batch(per_replica)
+            >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+        """
+        return _input.distribute_from_function(self, dataset_fn, options)
 
 
 def _local_values(value: Any, n: int) -> list[Any]:

@@ -47,12 +47,31 @@ class PerReplica:
     `jax.Array` is the single source of truth and `experimental_local_results` slices it.
     """
 
-    __slots__ = ("_num_replicas", "_stacked", "_value")
+    __slots__ = ("_count", "_mask", "_num_replicas", "_stacked", "_value")
 
-    def __init__(self, value: jax.Array, *, num_replicas: int, stacked: bool) -> None:
+    def __init__(
+        self,
+        value: jax.Array,
+        *,
+        num_replicas: int,
+        stacked: bool,
+        mask: jax.Array | None = None,
+        count: jax.Array | None = None,
+    ) -> None:
         self._value = value
         self._num_replicas = num_replicas
         self._stacked = stacked
+        # A padded batch: which rows are real examples (split like the batch), and how many
+        # real examples the global batch holds (the same scalar on every replica).
+        self._mask = mask
+        self._count = count
+
+    @property
+    def mask(self) -> PerReplica | None:
+        """For a batch padded to a static shape: True for real examples, False for padding."""
+        if self._mask is None:
+            return None
+        return PerReplica(self._mask, num_replicas=self._num_replicas, stacked=False)
 
     @property
     def num_replicas(self) -> int:

@@ -1,0 +1,80 @@
+"""Preparing the next batches on a background thread while the devices compute."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Prefetcher(Generic[T]):
+    """Runs `items` on a daemon thread, keeping at most `depth` finished items waiting.
+
+    An exception raised while producing is raised again by `__next__`, in order. `close()` (or
+    garbage collection) stops the thread without consuming the rest.
+    """
+
+    def __init__(self, items: Iterator[T], depth: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=self._work, args=(items,), name="mirrored-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, items: Iterator[T]) -> None:
+        try:
+            for item in items:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except BaseException as error:  # handed to the consumer, raised there
+            self._put(_Failure(error))
+
+    def __iter__(self) -> Prefetcher[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.error
+        return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._done = True
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self._stop.set()
