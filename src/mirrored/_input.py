@@ -138,16 +138,14 @@ def array_batches(
         first, last = start + local.start, start + min(local.stop, rows)
         real = max(0, last - first)
         width = local.stop - local.start
-        if order is None and real == width:
+        if order is None:
             out = [x[first:last] for x in leaves]  # contiguous rows: no gather needed
         else:
-            index = order[first:last] if order is not None else np.arange(first, last)
-            out = []
-            for x in leaves:
-                gathered = np.empty((width, *x.shape[1:]), x.dtype)
-                np.take(x, index, axis=0, out=gathered[:real])
-                gathered[real:] = 0
-                out.append(gathered)
+            index = order[first:last]
+            # take(mode="clip") skips the bounds check of fancy indexing: ~25% faster here.
+            out = [np.take(x, index, axis=0, mode="clip") for x in leaves]
+        if real < width:  # the ragged last batch
+            out = _batching.pad_to(out, real, width)
         mask = _batching.example_mask(rows, total)[local]
         yield HostBatch(treedef, out, mask, rows, total)
 
@@ -227,6 +225,7 @@ class DistributedDataset:
         self._options = options or InputOptions()
         self._epoch = 0
         self._processes = process_info()[0]
+        self._masks: dict[Any, tuple[jax.Array, jax.Array]] = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -240,21 +239,31 @@ class DistributedDataset:
             )
         return self._length
 
-    def _place(self, batch: HostBatch) -> Any:
-        split, replicated = self._strategy._split, self._strategy._replicated
-        arrays = [*batch.leaves, batch.mask]
+    def _to_devices(self, arrays: list[Any], size: int) -> list[jax.Array]:
+        split = self._strategy._split
         if self._processes == 1:  # one call moves the whole batch
-            placed = jax.device_put(
-                [*arrays, np.int32(batch.real)], [split] * len(arrays) + [replicated]
-            )
-            count = placed.pop()
-        else:
-            placed = [
-                jax.make_array_from_process_local_data(split, x, (batch.size, *np.shape(x)[1:]))
-                for x in arrays
-            ]
-            count = jax.device_put(np.int32(batch.real), replicated)
-        mask = placed.pop()
+            return jax.device_put(arrays, [split] * len(arrays))  # type: ignore[no-any-return]
+        return [
+            jax.make_array_from_process_local_data(split, x, (size, *np.shape(x)[1:]))
+            for x in arrays
+        ]
+
+    def _mask_and_count(self, batch: HostBatch) -> tuple[jax.Array, jax.Array]:
+        # An epoch has one or two distinct masks (full batches, the ragged last one): place
+        # each once and reuse the immutable device arrays, saving two transfers per step.
+        key = (batch.size, batch.real, batch.mask.tobytes())
+        cached = self._masks.get(key)
+        if cached is None:
+            if len(self._masks) > 16:  # many ragged sizes (an iterable source): stay bounded
+                self._masks.clear()
+            (mask,) = self._to_devices([batch.mask], batch.size)
+            count = jax.device_put(np.int32(batch.real), self._strategy._replicated)
+            cached = self._masks[key] = (mask, count)
+        return cached
+
+    def _place(self, batch: HostBatch) -> Any:
+        placed = self._to_devices(batch.leaves, batch.size)
+        mask, count = self._mask_and_count(batch)
         return jax.tree.unflatten(
             batch.treedef,
             [

@@ -1,0 +1,139 @@
+"""Examples/second the input distributor delivers, and whether it ever starves a training step.
+
+(a) the in-memory fast path (shuffled NumPy index gather on a background thread), (b) a Grain
+per-record pipeline over the same arrays, (c) tf.data when installed — each delivering 784-float
+rows at global batch 256 to the simulated devices; then the seed MLP's training throughput fed
+by the fast path vs by pre-staged device arrays (ratio). Prints JSON.
+
+    python benchmarks/input_pipeline.py [--devices 8] [--rows 60000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import mirrored
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=60_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    mirrored.simulate_cpu_devices(args.devices)
+
+    import grain
+    import jax
+    import optax
+    from flax import nnx
+
+    from _models import MLP, timed
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.rows, 784)).astype(np.float32)
+    y = rng.integers(0, 10, args.rows).astype(np.int32)
+    strategy = mirrored.MirroredStrategy(jax.devices()[: args.devices])
+
+    def delivered(dist) -> float:
+        """Examples/second over one epoch, every batch waited for on its devices."""
+        best = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            last = None
+            for batch in dist:
+                last = batch
+            jax.block_until_ready([leaf.global_value for leaf in jax.tree.leaves(last)])
+            best.append(args.rows / (time.perf_counter() - start))
+        return statistics.median(best)
+
+    results: dict[str, object] = {"devices": args.devices, "global_batch": args.batch}
+    fast = strategy.experimental_distribute_dataset(
+        (x, y), batch_size=args.batch, shuffle=True, seed=0
+    )
+    results["fast_path_examples_per_s"] = round(delivered(fast))
+
+    source = grain.MapDataset.source(list(range(args.rows))).shuffle(seed=0)
+    per_record = source.map(lambda i: (x[i], y[i])).batch(args.batch)
+    results["grain_per_record_examples_per_s"] = round(
+        delivered(strategy.experimental_distribute_dataset(per_record))
+    )
+    try:
+        import tensorflow as tf
+    except ImportError:
+        results["tf_data_examples_per_s"] = "tensorflow not installed"
+    else:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10_000, seed=0).batch(args.batch)
+        results["tf_data_examples_per_s"] = round(
+            delivered(strategy.experimental_distribute_dataset(ds))
+        )
+    print(json.dumps(results), file=sys.stderr, flush=True)
+
+    # Training fed by the fast path vs by batches already on the devices.
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+            return mirrored.compute_average_loss(per_example)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    training = []
+    for n in sorted({1, args.devices}):
+        sub = mirrored.MirroredStrategy(jax.devices()[:n])
+        with sub.scope():
+            model = MLP((128,), rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        steps = args.rows // args.batch
+        feed = sub.experimental_distribute_dataset((x, y), batch_size=args.batch, shuffle=True)
+        staged = list(
+            sub.experimental_distribute_dataset((x[:4096], y[:4096]), batch_size=args.batch)
+        )
+
+        def fed(k: int, sub=sub, model=model, optimizer=optimizer, feed=feed) -> object:
+            loss = None
+            for i, (xb, yb) in enumerate(feed):
+                if i == k:
+                    break
+                loss = sub.run(train_step, args=(model, optimizer, xb, yb))
+            return loss.global_value
+
+        def prestaged(k: int, sub=sub, model=model, optimizer=optimizer, staged=staged) -> object:
+            loss = None
+            for i in range(k):
+                xb, yb = staged[i % len(staged)]
+                loss = sub.run(train_step, args=(model, optimizer, xb, yb))
+            return loss.global_value
+
+        fed_t, staged_t = [], []
+        for _ in range(args.repeats):
+            staged_t.append(timed(prestaged, steps, warmup=5))
+            fed_t.append(timed(fed, steps, warmup=5))
+        fed_eps = steps * args.batch / statistics.median(fed_t)
+        staged_eps = steps * args.batch / statistics.median(staged_t)
+        row = {
+            "devices": n,
+            "prestaged_examples_per_s": round(staged_eps),
+            "fast_path_fed_examples_per_s": round(fed_eps),
+            "ratio": round(fed_eps / staged_eps, 3),
+        }
+        training.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    results["seed_mlp_training"] = training
+    one_device = next(r for r in training if r["devices"] == 1)
+    results["fast_path_vs_1_device_step_consumption"] = round(
+        results["fast_path_examples_per_s"] / one_device["prestaged_examples_per_s"], 2
+    )
+    print(json.dumps({"benchmark": "input_pipeline", "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
