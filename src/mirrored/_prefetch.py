@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +29,7 @@ class Prefetcher(Generic[T]):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self.starved_s = 0.0  # time the consumer waited on an empty buffer: input too slow
         self._thread = threading.Thread(
             target=self._work, args=(items,), name="mirrored-prefetch", daemon=True
         )
@@ -57,7 +59,12 @@ class Prefetcher(Generic[T]):
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
-        item = self._queue.get()
+        if self._queue.empty():
+            start = time.perf_counter()
+            item = self._queue.get()
+            self.starved_s += time.perf_counter() - start
+        else:
+            item = self._queue.get()
         if item is _END:
             self._done = True
             raise StopIteration
