@@ -1,5 +1,7 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
+from mirrored import callbacks, losses
+from mirrored._checkpoint import restore_checkpoint, save_checkpoint
 from mirrored._context import ReplicaContext
 from mirrored._input import DistributedDataset, InputContext, InputOptions
 from mirrored._losses import compute_average_loss, scale_regularization_loss
@@ -14,6 +16,7 @@ from mirrored._strategy import (
     has_strategy,
     in_cross_replica_context,
 )
+from mirrored._trainer import Trainer
 from mirrored._values import PerReplica, ReduceOp, ValueContext
 
 __version__ = "0.1.0"
@@ -29,12 +32,17 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
+    "Trainer",
     "ValueContext",
+    "callbacks",
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "losses",
+    "restore_checkpoint",
+    "save_checkpoint",
     "scale_regularization_loss",
     "simulate_cpu_devices",
 ]

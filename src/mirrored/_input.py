@@ -274,7 +274,14 @@ class DistributedDataset:
 
     def __iter__(self) -> Iterator[Any]:
         self._epoch += 1
-        placed = map(self._place, _nonempty_stream(self._batches(self._epoch)))
+        return self.epoch_iterator(self._epoch)
+
+    def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
+        """The batches of epoch `epoch` (1-based; it seeds the shuffle), from batch `skip` on."""
+        batches = _nonempty_stream(self._batches(epoch))
+        if skip:
+            batches = itertools.islice(batches, skip, None)
+        placed = map(self._place, batches)
         if not self._options.experimental_fetch_to_device:
             return placed
         return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)

@@ -110,6 +110,9 @@ class Runner:
                 where = "args" if path[0].idx == 0 else "kwargs"
                 name = f"{where}{jax.tree_util.keystr(path[1:])}"
                 break
+        return self.not_mirrored_error(name, bad)
+
+    def not_mirrored_error(self, name: str, bad: Any) -> ValueError:
         value = bad.get_raw_value() if isinstance(bad, nnx.Variable) else bad
         if isinstance(value, jax.Array):
             found = "devices " + ", ".join(sorted(str(d) for d in value.sharding.device_set))
@@ -128,6 +131,13 @@ class Runner:
             "      optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)\n"
             "(or pass a NumPy array for a constant input)."
         )
+
+    def check_mirrored(self, obj: Any, label: str) -> None:
+        """Raise the out-of-scope error for the first variable of `obj` not mirrored here."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(obj, is_leaf=_is_leaf)[0]:
+            value = leaf.get_raw_value() if _type_kind(type(leaf)) == "v" else leaf
+            if not (isinstance(value, jax.Array) and self.is_mirrored(value)):
+                raise self.not_mirrored_error(f"{label}{jax.tree_util.keystr(path)}", leaf)
 
     def _check_split(self, leaf: PerReplica) -> None:
         sharding = leaf.global_value.sharding

@@ -1,0 +1,213 @@
+"""Keras-style losses and metrics, as per-example functions the Trainer reduces exactly.
+
+Every loss and metric maps `(y_true, y_pred)` to one value per example. The Trainer sums them
+over the real (unpadded) examples of every replica and step and divides by the global count,
+so an 8-replica number equals the single-device number (no mean of means).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+_EPSILON = 1e-7
+
+
+def _per_example(values: jax.Array) -> jax.Array:
+    """Average everything but the batch axis, as Keras does."""
+    return values.reshape(values.shape[0], -1).mean(axis=1) if values.ndim > 1 else values
+
+
+def _shape_error(name: str, expected: str, y_true: Any, y_pred: Any, fix: str) -> ValueError:
+    return ValueError(
+        f"{name} expected {expected}; found labels of shape {tuple(y_true.shape)} "
+        f"({y_true.dtype}) for predictions of shape {tuple(y_pred.shape)}. Fix: {fix}"
+    )
+
+
+class Loss:
+    """A per-example loss: `loss(y_true, y_pred)` → shape `(batch,)`."""
+
+    name = "loss"
+
+    def __init__(self, *, from_logits: bool = False) -> None:
+        self.from_logits = from_logits
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(from_logits={self.from_logits})"
+
+
+class SparseCategoricalCrossentropy(Loss):
+    """Integer class labels `(batch,)` against scores `(batch, classes)`."""
+
+    name = "sparse_categorical_crossentropy"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
+            y_true = y_true[..., 0]
+        if y_true.shape != y_pred.shape[:-1] or not jnp.issubdtype(y_true.dtype, jnp.integer):
+            raise _shape_error(
+                self.name,
+                f"integer labels of shape {tuple(y_pred.shape[:-1])}",
+                y_true,
+                y_pred,
+                "pass class indices (not one-hot rows; for those use 'categorical_crossentropy').",
+            )
+        logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
+        return _per_example(optax.softmax_cross_entropy_with_integer_labels(logits, y_true))
+
+
+class CategoricalCrossentropy(Loss):
+    """One-hot (or soft) labels `(batch, classes)` against scores `(batch, classes)`."""
+
+    name = "categorical_crossentropy"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        if y_true.shape != y_pred.shape:
+            raise _shape_error(
+                self.name,
+                f"one-hot labels of shape {tuple(y_pred.shape)}",
+                y_true,
+                y_pred,
+                "one-hot encode the labels, or use 'sparse_categorical_crossentropy' for "
+                "class indices.",
+            )
+        logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
+        return _per_example(optax.softmax_cross_entropy(logits, y_true))
+
+
+def _same_shape(name: str, y_true: Any, y_pred: Any) -> jax.Array:
+    if y_true.shape != y_pred.shape and y_pred.shape[-1:] == (1,):
+        y_true = y_true.reshape(y_pred.shape)
+    if y_true.shape != y_pred.shape:
+        raise _shape_error(
+            name,
+            f"labels of the predictions' shape {tuple(y_pred.shape)}",
+            y_true,
+            y_pred,
+            "make the model's output match the labels (e.g. one output unit per target).",
+        )
+    return y_true.astype(y_pred.dtype)
+
+
+class BinaryCrossentropy(Loss):
+    """0/1 labels against one probability (or logit) per target."""
+
+    name = "binary_crossentropy"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        y_true = _same_shape(self.name, y_true, y_pred)
+        if self.from_logits:
+            return _per_example(optax.sigmoid_binary_cross_entropy(y_pred, y_true))
+        p = jnp.clip(y_pred, _EPSILON, 1 - _EPSILON)
+        return _per_example(-(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p)))
+
+
+class MeanSquaredError(Loss):
+    name = "mse"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        return _per_example((_same_shape(self.name, y_true, y_pred) - y_pred) ** 2)
+
+
+class MeanAbsoluteError(Loss):
+    name = "mae"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        return _per_example(jnp.abs(_same_shape(self.name, y_true, y_pred) - y_pred))
+
+
+_LOSSES: dict[str, type[Loss]] = {
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
+    "mse": MeanSquaredError,
+    "mean_squared_error": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_error": MeanAbsoluteError,
+}
+
+
+def get_loss(spec: str | Loss | Callable[[Any, Any], Any], *, from_logits: bool = False) -> Any:
+    """A per-example loss from a Keras name, a `Loss`, or a callable `(y_true, y_pred)`."""
+    if isinstance(spec, str):
+        if spec not in _LOSSES:
+            raise ValueError(
+                f"Expected a loss name from {sorted(_LOSSES)}; found {spec!r}. Fix: use one of "
+                "those, a mirrored.losses.Loss, or a callable (y_true, y_pred) -> per-example "
+                "losses."
+            )
+        return _LOSSES[spec](from_logits=from_logits)
+    if callable(spec):
+        return spec
+    raise TypeError(
+        f"Expected loss to be a name, a mirrored.losses.Loss or a callable; found {spec!r}."
+    )
+
+
+class Metric:
+    """A metric averaged over examples: `values(y_true, y_pred)` → one value per example."""
+
+    def __init__(self, name: str, values: Callable[[Any, Any], jax.Array]) -> None:
+        self.name = name
+        self.values = values
+
+    def __repr__(self) -> str:
+        return f"Metric({self.name!r})"
+
+
+def _sparse_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+    if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
+        y_true = y_true[..., 0]
+    return _per_example((jnp.argmax(y_pred, axis=-1) == y_true).astype(jnp.float32))
+
+
+def _categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+    return _per_example(
+        (jnp.argmax(y_pred, axis=-1) == jnp.argmax(y_true, axis=-1)).astype(jnp.float32)
+    )
+
+
+def _binary_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
+    def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+        y_true = y_true.reshape(y_pred.shape) if y_true.size == y_pred.size else y_true
+        return _per_example(((y_pred > threshold) == (y_true > 0.5)).astype(jnp.float32))
+
+    return accuracy
+
+
+def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Metric:
+    """A metric from a Keras name (\"accuracy\" follows the loss, as in Keras) or a callable."""
+    if isinstance(spec, Metric):
+        return spec
+    if isinstance(spec, str):
+        from_logits = getattr(loss, "from_logits", False)
+        if spec in ("accuracy", "acc"):
+            if isinstance(loss, CategoricalCrossentropy):
+                return Metric("accuracy", _categorical_accuracy)
+            if isinstance(loss, BinaryCrossentropy):
+                return Metric("accuracy", _binary_accuracy(0.0 if from_logits else 0.5))
+            return Metric("accuracy", _sparse_accuracy)
+        named: dict[str, Callable[[Any, Any], jax.Array]] = {
+            "sparse_categorical_accuracy": _sparse_accuracy,
+            "categorical_accuracy": _categorical_accuracy,
+            "binary_accuracy": _binary_accuracy(0.5),
+            "mse": MeanSquaredError(),
+            "mae": MeanAbsoluteError(),
+        }
+        if spec not in named:
+            raise ValueError(
+                f"Expected a metric name from {sorted(['accuracy', *named])}; found {spec!r}. "
+                "Fix: use one of those, or a callable (y_true, y_pred) -> per-example values."
+            )
+        return Metric(spec, named[spec])
+    if callable(spec):
+        return Metric(getattr(spec, "__name__", "metric"), spec)
+    raise TypeError(f"Expected a metric name, a Metric or a callable; found {spec!r}.")

@@ -1,0 +1,382 @@
+"""`Trainer`: Keras' compile/fit/evaluate/predict on a strategy, exact by construction."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mirrored import _checkpoint, _context, _objectives
+from mirrored._input import DistributedDataset
+from mirrored._losses import compute_average_loss
+from mirrored._strategy import Strategy, get_strategy
+from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
+
+logger = logging.getLogger("mirrored")
+
+
+class _Totals(nnx.Module):
+    """Running sums of the loss and metrics over real examples, and their count (mirrored)."""
+
+    def __init__(self, size: int) -> None:
+        self.sums = nnx.Variable(jnp.zeros((size,), jnp.float32))
+        self.count = nnx.Variable(jnp.zeros((), jnp.float32))
+
+
+def _make_steps(
+    loss_fn: Any, metrics: Sequence[_objectives.Metric]
+) -> tuple[Callable[..., Any], ...]:
+    """The per-replica train, eval and predict steps. They close over configuration only."""
+
+    def accumulate(totals: _Totals, per_example: Any, y: Any, y_pred: Any) -> None:
+        ctx = _context.current_replica_context()
+        assert ctx is not None
+        ones = per_example * 0 + 1  # replica-local, like the examples themselves
+        weight = ones if ctx.example_mask is None else ones * ctx.example_mask
+        weight = weight.astype(jnp.float32)
+        local = [jnp.sum(per_example.astype(jnp.float32) * weight)]
+        local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in metrics]
+        # Global sums and counts, so 8 replicas report exactly what 1 device would.
+        sums, count = ctx.all_reduce("SUM", (jnp.stack(local), jnp.sum(weight)))
+        totals.sums[...] = totals.sums[...] + sums
+        totals.count[...] = totals.count[...] + count
+
+    def train_step(
+        model: Any, optimizer: nnx.Optimizer, totals: _Totals, x: Any, y: Any, w: Any = None
+    ) -> None:
+        def loss_of(model: Any) -> Any:
+            y_pred = model(x)
+            per_example = loss_fn(y, y_pred)
+            return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
+
+        (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
+        optimizer.update(model, grads)
+        accumulate(totals, per_example, y, y_pred)
+
+    def eval_step(model: Any, totals: _Totals, x: Any, y: Any, w: Any = None) -> None:
+        y_pred = model(x)
+        accumulate(totals, loss_fn(y, y_pred), y, y_pred)
+
+    def predict_step(model: Any, x: Any) -> Any:
+        return model(x)
+
+    return train_step, eval_step, predict_step
+
+
+class _Logs(Mapping[str, float]):
+    """Epoch-so-far logs, read from the devices only when a callback looks at them."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+        self._values: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = self._read()
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+def _is_arrays(x: Any) -> bool:
+    if isinstance(x, np.ndarray | jax.Array):
+        return True
+    if isinstance(x, dict):
+        return all(isinstance(v, np.ndarray | jax.Array) for v in jax.tree.leaves(x))
+    return False
+
+
+def _batch_args(batch: Any) -> tuple[Any, ...]:
+    if not isinstance(batch, tuple | list) or not 1 <= len(batch) <= 3:
+        raise ValueError(
+            "Expected the dataset to yield (x, y) or (x, y, sample_weight) tuples; found a "
+            f"{type(batch).__name__}. Fix: yield tuples, e.g. map each element to (x, y)."
+        )
+    return tuple(batch)
+
+
+class Trainer:
+    """Keras-style training on a strategy: `fit`, `evaluate`, `predict`.
+
+    Create it inside `strategy.scope()` (with the model); the optimizer state is created there.
+
+    Args:
+        model: an NNX module called as `model(x)`.
+        optimizer: an Optax transformation, or an `nnx.Optimizer` made in the scope.
+        loss: a Keras loss name (`"sparse_categorical_crossentropy"`,
+            `"categorical_crossentropy"`, `"binary_crossentropy"`, `"mse"`, `"mae"`), a
+            `mirrored.losses.Loss` (e.g. `SparseCategoricalCrossentropy(from_logits=True)`), or a
+            callable `(y_true, y_pred)` returning one loss per example.
+        metrics: names (`"accuracy"`, `"sparse_categorical_accuracy"`, `"mse"`, `"mae"`) or
+            callables `(y_true, y_pred)` returning one value per example.
+        from_logits: for loss names: whether the model outputs logits (Keras' default: False).
+
+    Example:
+        >>> with strategy.scope():
+        ...     model = MLP(rngs=nnx.Rngs(0))
+        ...     trainer = mirrored.Trainer(model, optax.adam(1e-3),
+        ...                                loss="sparse_categorical_crossentropy",
+        ...                                metrics=["accuracy"], from_logits=True)
+        >>> history = trainer.fit(x, y, batch_size=256, epochs=5, validation_split=0.1)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation | nnx.Optimizer,
+        loss: Any,
+        metrics: Sequence[Any] = (),
+        *,
+        from_logits: bool = False,
+        strategy: Strategy | None = None,
+    ) -> None:
+        self.strategy = strategy or get_strategy()
+        self.model = model
+        self.loss = _objectives.get_loss(loss, from_logits=from_logits)
+        self.metrics = [_objectives.get_metric(m, self.loss) for m in metrics]
+        names = ["loss", *(m.name for m in self.metrics)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Expected distinct metric names; found {names}.")
+        self._names = names
+        self.strategy._runner.check_mirrored(model, "the model")
+        with self.strategy.scope():
+            if isinstance(optimizer, nnx.Optimizer):
+                self.optimizer = optimizer
+            else:
+                self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+            self._train_totals = _Totals(len(names))
+            self._eval_totals = _Totals(len(names))
+        self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
+        self._train_step, self._eval_step, self._predict_step = _make_steps(self.loss, self.metrics)
+        self.stop_training = False
+        self._epoch = 0
+        self._start: tuple[int, int] | None = None
+        self._interrupted = False
+
+    # -- state for checkpoints --------------------------------------------------------------
+
+    def _state_objects(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "totals": self._train_totals}
+
+    def _training_state(self) -> dict[str, np.ndarray]:
+        return _checkpoint.state_arrays(self._state_objects())
+
+    def _load_training_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
+        _checkpoint.load_state_arrays(self._state_objects(), arrays, source)
+
+    def _resume_at(self, epoch: int, step: int) -> None:
+        self._start = (epoch, step)
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def _dataset(
+        self, x: Any, y: Any, *, batch_size: int | None, shuffle: bool, seed: int
+    ) -> DistributedDataset:
+        if isinstance(x, DistributedDataset):
+            if y is not None:
+                raise ValueError("Expected y=None with a distributed dataset; it yields (x, y).")
+            return x
+        if y is not None or _is_arrays(x):
+            if y is not None and not (_is_arrays(x) and _is_arrays(y)):
+                raise TypeError(
+                    f"Expected x and y to be arrays (or dicts of arrays); found "
+                    f"{type(x).__name__} and {type(y).__name__}. Fix: pass arrays, or a dataset "
+                    "of (x, y) batches as x with y=None."
+                )
+            arrays = (x,) if y is None else (x, y)
+            return self.strategy.experimental_distribute_dataset(
+                arrays, batch_size=batch_size or 32, shuffle=shuffle, seed=seed
+            )
+        return self.strategy.experimental_distribute_dataset(x, batch_size=batch_size)
+
+    def _read(self, totals: _Totals, prefix: str = "") -> dict[str, float]:
+        sums = np.asarray(totals.sums.get_value(), np.float64)
+        count = float(totals.count.get_value())
+        return {
+            prefix + n: float(s / count) if count else math.nan
+            for n, s in zip(self._names, sums, strict=True)
+        }
+
+    def _reset(self, totals: _Totals) -> None:
+        replicated = self.strategy._replicated
+        totals.sums.set_value(jax.device_put(np.zeros(len(self._names), np.float32), replicated))
+        totals.count.set_value(jax.device_put(np.zeros((), np.float32), replicated))
+
+    # -- fit ---------------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        validation_data: Any = None,
+        validation_split: float = 0.0,
+        shuffle: bool = True,
+        callbacks: Sequence[Callback] = (),
+        initial_epoch: int = 0,
+        verbose: int = 1,
+        seed: int = 0,
+    ) -> History:
+        """Train for `epochs` epochs; returns the `History`.
+
+        `batch_size` is the GLOBAL batch (default 32), split over the replicas. Without
+        `steps_per_epoch`, an epoch is ceil(examples / batch_size) steps; the last, ragged
+        batch is padded and masked so every example counts exactly once. Shuffling is seeded by
+        `seed` and differs per epoch.
+        """
+        if not 0.0 <= validation_split < 1.0:
+            raise ValueError(
+                f"Expected validation_split in [0, 1); found {validation_split!r}. Fix: e.g. "
+                "validation_split=0.1 holds out the last 10% of the arrays."
+            )
+        if validation_split and validation_data is not None:
+            raise ValueError("Pass validation_data or validation_split, not both.")
+        if validation_split:
+            if not (_is_arrays(x) and _is_arrays(y)):
+                raise ValueError(
+                    "validation_split needs in-memory arrays x and y; found a dataset. Fix: "
+                    "pass validation_data=... instead."
+                )
+            rows = len(jax.tree.leaves(x)[0])
+            held = int(rows * validation_split)
+            if held == 0 or held == rows:
+                raise ValueError(
+                    f"validation_split={validation_split} of {rows} examples leaves "
+                    f"{held} for validation and {rows - held} for training; both need at "
+                    "least one. Fix: adjust validation_split."
+                )
+            cut = rows - held  # Keras holds out the LAST examples, before shuffling
+            validation_data = jax.tree.map(lambda a: a[cut:], (x, y))
+            x, y = jax.tree.map(lambda a: a[:cut], (x, y))
+        train = self._dataset(x, y, batch_size=batch_size, shuffle=shuffle, seed=seed)
+        steps = steps_per_epoch if steps_per_epoch is not None else len(train)
+        history = History()
+        progress = [ProgbarLogger(verbose)] if verbose else []
+        callback_list = CallbackList([history, *progress, *callbacks])
+        global_batch = batch_size or 32
+        callback_list.set_trainer(
+            self, {"epochs": epochs, "steps": steps, "batch_size": global_batch, "verbose": verbose}
+        )
+        self.stop_training = False
+        self._start = None
+        self._interrupted = True
+        callback_list.on_train_begin()
+        first_epoch, first_step = self._start or (initial_epoch, 0)
+        if self._start is None:
+            self._reset(self._train_totals)
+        self.model.train()
+        for epoch in range(first_epoch, epochs):
+            self._epoch = epoch
+            if epoch != first_epoch or first_step == 0:
+                self._reset(self._train_totals)
+            callback_list.on_epoch_begin(epoch)
+            batches = train.epoch_iterator(
+                epoch + 1, skip=first_step if epoch == first_epoch else 0
+            )
+            step = first_step if epoch == first_epoch else 0
+            for batch in batches:
+                if step >= steps:
+                    break
+                callback_list.on_train_batch_begin(step)
+                self.strategy.run(
+                    self._train_step,
+                    args=(self.model, self.optimizer, self._train_totals, *_batch_args(batch)),
+                )
+                callback_list.on_train_batch_end(
+                    step, _Logs(lambda: self._read(self._train_totals))
+                )
+                step += 1
+                if self.stop_training:
+                    break
+            if step < steps and not self.stop_training:
+                logger.warning(
+                    "The training data ran out after %d of %d steps in epoch %d. Fix: lower "
+                    "steps_per_epoch, or leave it unset to run one pass over the data.",
+                    step,
+                    steps,
+                    epoch + 1,
+                )
+            logs = self._read(self._train_totals)
+            if validation_data is not None:
+                logs.update(self._evaluate(validation_data, batch_size, prefix="val_"))
+                self.model.train()
+            callback_list.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        self._interrupted = False
+        callback_list.on_train_end()
+        return history
+
+    # -- evaluate / predict -------------------------------------------------------------------
+
+    def _evaluate(self, data: Any, batch_size: int | None, *, prefix: str = "") -> dict[str, float]:
+        if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
+            x, y = data[0], data[1]
+        else:
+            x, y = data, None
+        dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
+        self.model.eval()
+        self._reset(self._eval_totals)
+        for batch in dataset.epoch_iterator(1):
+            self.strategy.run(
+                self._eval_step, args=(self.model, self._eval_totals, *_batch_args(batch))
+            )
+        return self._read(self._eval_totals, prefix)
+
+    def evaluate(
+        self, x: Any = None, y: Any = None, *, batch_size: int | None = None, verbose: int = 0
+    ) -> dict[str, float]:
+        """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas."""
+        logs = self._evaluate((x, y) if y is not None else x, batch_size)
+        if verbose and _checkpoint.is_chief():
+            print("  ".join(f"{k} {v:.4f}" for k, v in logs.items()))
+        return logs
+
+    def predict(self, x: Any, *, batch_size: int | None = None, verbose: int = 0) -> Any:
+        """Model outputs for every example of `x`, as NumPy, in input order, without padding."""
+        del verbose
+        dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
+        self.model.eval()
+        outputs, masks = [], []
+        for batch in dataset.epoch_iterator(1):
+            inputs = batch[0] if isinstance(batch, tuple | list) else batch
+            out = self.strategy.run(self._predict_step, args=(self.model, inputs))
+            outputs.append(self.strategy.gather(out, axis=0) if _has_per_replica(out) else out)
+            first = jax.tree.leaves(inputs)[0]
+            masks.append(first.mask.global_value if first.mask is not None else None)
+        rows = []
+        for out, mask in zip(outputs, masks, strict=True):
+            keep = None if mask is None else np.asarray(mask)
+            rows.append(
+                jax.tree.map(
+                    lambda a, keep=keep: np.asarray(a)[keep] if keep is not None else np.asarray(a),
+                    out,
+                )
+            )
+        return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+
+def _has_per_replica(value: Any) -> bool:
+    from mirrored._values import PerReplica
+
+    return any(
+        isinstance(v, PerReplica)
+        for v in jax.tree.leaves(value, is_leaf=lambda v: isinstance(v, PerReplica))
+    )

@@ -1,0 +1,250 @@
+"""Trainer.fit / evaluate / predict: exact across replicas, resumable, with clear errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import SmallMLP, max_relative_difference, params_of, train_single_device
+from mirrored import _tensorboard
+
+HERE = Path(__file__).resolve().parent
+
+
+def data(rows=100, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.normal(size=(rows, 12)).astype(np.float32),
+        rng.integers(0, 5, rows).astype(np.int32),
+    )
+
+
+def make_trainer(devices, tx=None, metrics=("accuracy",)):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        trainer = mirrored.Trainer(
+            model,
+            tx or optax.sgd(0.5),
+            "sparse_categorical_crossentropy",
+            list(metrics),
+            from_logits=True,
+        )
+    return strategy, model, trainer
+
+
+def test_fit_on_8_replicas_equals_single_device_training(devices):
+    x, y = data(100)  # batches of 32, 32, 32 and a ragged 4
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 100, 32)] * 2
+    expected = train_single_device(batches, lambda: optax.sgd(0.5))
+    _, model, trainer = make_trainer(devices)
+    history = trainer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    got = params_of(model)
+    for name, value in expected.items():
+        assert max_relative_difference(got[name], value) <= 1e-5, name
+    assert len(history.history["loss"]) == 2
+
+
+def test_evaluate_is_exact_across_replica_counts(devices):
+    x, y = data(77)  # 77 examples: ragged on 8 replicas and at batch 16
+    _, model, trainer = make_trainer(devices)
+    _, _, single = make_trainer(devices[:1])
+    # Copy through the host: run() donates state buffers, so the models must not share them.
+    copy = jax.tree.map(lambda a: jax.device_put(np.asarray(a), devices[0]), nnx.state(model))
+    nnx.update(single.model, copy)
+    single.strategy._runner.check_mirrored(single.model, "single")
+    eight = trainer.evaluate(x, y, batch_size=16)
+    one = single.evaluate(x, y, batch_size=16)
+    logits = np.asarray(model(x))
+    expected_loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    assert eight["accuracy"] == one["accuracy"] == np.mean(logits.argmax(-1) == y)
+    np.testing.assert_allclose([eight["loss"], one["loss"]], expected_loss, rtol=1e-6)
+
+
+def test_predict_keeps_input_order_without_padding(devices):
+    x, _ = data(50)  # 50 rows over 8 replicas, batch 16: ragged and padded
+    _, model, trainer = make_trainer(devices)
+    predictions = trainer.predict(x, batch_size=16)
+    assert predictions.shape == (50, 5)
+    np.testing.assert_allclose(predictions, model(x), rtol=1e-5)
+
+
+def test_history_validation_and_metrics(devices):
+    x, y = data(200)
+    _, _, trainer = make_trainer(devices, optax.adam(1e-2))
+    history = trainer.fit(x, y, batch_size=32, epochs=3, validation_split=0.25, verbose=0)
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history.epoch == [0, 1, 2]
+
+
+def test_checkpoint_saved_on_8_restores_on_2(devices, tmp_path):
+    x, y = data(64)
+    _, _, trainer = make_trainer(devices, optax.adam(1e-2))
+    trainer.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        verbose=0,
+        callbacks=[mirrored.callbacks.ModelCheckpoint(tmp_path / "ckpt", monitor="loss")],
+    )
+    before = trainer.evaluate(x, y)
+    _, restored_model, restored = make_trainer(devices[:2], optax.adam(1e-2))
+    assert restored.evaluate(x, y) != before
+    step = mirrored.restore_checkpoint(tmp_path / "ckpt", restored_model, restored.optimizer)
+    assert step == 2
+    after = restored.evaluate(x, y)
+    np.testing.assert_allclose(after["loss"], before["loss"], rtol=1e-6)
+    assert after["accuracy"] == before["accuracy"]
+    kernel = restored_model.out.kernel.get_value()
+    assert kernel.sharding.device_set == set(devices[:2]) and kernel.sharding.is_fully_replicated
+
+
+def test_an_unfinished_save_leaves_the_previous_checkpoint_usable(devices, tmp_path):
+    _, model, _ = make_trainer(devices)
+    mirrored.save_checkpoint(tmp_path, model, step=1)
+    # What a crash mid-save leaves: Orbax's temporary directory, never renamed into place.
+    (tmp_path / "2.orbax-checkpoint-tmp-1234").mkdir()
+    (tmp_path / "2.orbax-checkpoint-tmp-1234" / "partial").write_bytes(b"\0" * 10)
+    _, fresh, _ = make_trainer(devices)
+    assert mirrored.restore_checkpoint(tmp_path, fresh) == 1
+
+
+@pytest.mark.slow
+def test_backup_and_restore_after_sigkill_matches_an_uninterrupted_fit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+
+    def run(backup, out, *extra):
+        cmd = ["timeout", "-k", "10", "240", sys.executable, str(HERE / "_fit_script.py")]
+        return subprocess.run(
+            [*cmd, str(backup), str(out), *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=HERE,
+            check=False,
+        )
+
+    clean = run(tmp_path / "clean_backup", tmp_path / "clean.npz")
+    assert clean.returncode == 0, clean.stderr
+    killed = run(tmp_path / "backup", tmp_path / "killed.npz", "--kill-at", "11")  # epoch 2
+    assert killed.returncode == -9, killed.stderr
+    assert any((tmp_path / "backup").iterdir())  # a backup survived the crash
+    resumed = run(tmp_path / "backup", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = np.load(tmp_path / "clean.npz"), np.load(tmp_path / "resumed.npz")
+    assert set(expected.files) == set(got.files)
+    for name in expected.files:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not (tmp_path / "backup").exists()  # deleted after the completed fit
+
+
+def test_callbacks(devices, tmp_path):
+    x, y = data(64)
+    _, _, trainer = make_trainer(devices, optax.sgd(0.0))  # lr 0: val_loss never improves
+    callbacks = [
+        mirrored.callbacks.EarlyStopping(monitor="val_loss", patience=1),
+        mirrored.callbacks.CSVLogger(tmp_path / "log.csv"),
+        mirrored.callbacks.TensorBoard(tmp_path / "tb"),
+        mirrored.callbacks.ModelCheckpoint(tmp_path / "best", save_best_only=True),
+    ]
+    history = trainer.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=10,
+        validation_data=data(32, 1),
+        callbacks=callbacks,
+        verbose=0,
+    )
+    assert len(history.epoch) == 3  # best at epoch 0, then patience 1 runs out
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0] == "epoch,accuracy,loss,val_accuracy,val_loss" and len(rows) == 4
+    (event_file,) = (tmp_path / "tb" / "train").iterdir()
+    scalars = _tensorboard.read_scalars(event_file)
+    assert [(s, t) for s, t, _ in scalars if t == "epoch_loss"] == [
+        (0, "epoch_loss"),
+        (1, "epoch_loss"),
+        (2, "epoch_loss"),
+    ]
+    np.testing.assert_allclose(
+        [v for _, t, v in scalars if t == "epoch_loss"], history.history["loss"], rtol=1e-6
+    )
+    (val_file,) = (tmp_path / "tb" / "validation").iterdir()
+    assert {t for _, t, _ in _tensorboard.read_scalars(val_file)} == {
+        "epoch_loss",
+        "epoch_accuracy",
+    }
+    assert os.listdir(tmp_path / "best") == ["1"]  # saved once, at the only improvement
+
+
+def test_tensorboard_reads_our_event_files(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is optional and not installed here")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = _tensorboard.EventWriter(tmp_path)
+    writer.scalar("epoch_loss", 0.5, 3)
+    writer.close()
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    (event,) = accumulator.Scalars("epoch_loss")
+    assert (event.step, event.value) == (3, 0.5)
+
+
+def test_progress_prints_one_line_per_epoch_off_a_terminal(devices, capsys):
+    x, y = data(64)
+    _, _, trainer = make_trainer(devices)
+    trainer.fit(x, y, batch_size=16, epochs=2, verbose=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
+    assert len(lines) == 2 and "loss" in lines[0] and "accuracy" in lines[0]
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_unknown_loss_lists_the_valid_ones(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="'binary_crossentropy'.*found 'crossentropy'"):
+            mirrored.Trainer(model, optax.sgd(0.1), "crossentropy")
+        with pytest.raises(ValueError, match="found 'f1'"):
+            mirrored.Trainer(model, optax.sgd(0.1), "mse", ["f1"])
+
+
+def test_labels_that_do_not_fit_the_loss(devices):
+    x, y = data(32)
+    _, _, trainer = make_trainer(devices)
+    one_hot = np.eye(5, dtype=np.float32)[y]
+    with pytest.raises(
+        ValueError, match="integer labels of shape \\(4,\\).*'categorical_crossentropy'"
+    ):
+        trainer.fit(x, one_hot, batch_size=32, verbose=0)
+
+
+@pytest.mark.parametrize("split", [-0.1, 1.0, 1.5])
+def test_validation_split_outside_range(devices, split):
+    x, y = data(32)
+    _, _, trainer = make_trainer(devices)
+    with pytest.raises(ValueError, match=r"validation_split in \[0, 1\)"):
+        trainer.fit(x, y, validation_split=split, verbose=0)
+
+
+def test_fit_outside_the_scope_is_fine_but_state_from_outside_is_not(devices):
+    x, y = data(32)
+    _, _, trainer = make_trainer(devices)
+    trainer.fit(x, y, batch_size=16, verbose=0)  # not inside strategy.scope(): fine
+    strategy = mirrored.MirroredStrategy(devices)
+    outside = SmallMLP(rngs=nnx.Rngs(0))
+    with strategy.scope(), pytest.raises(ValueError, match=r"the model\.hidden\.bias .*outside"):
+        mirrored.Trainer(outside, optax.sgd(0.1), "mse")
