@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,12 +23,15 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_trains_to_high_accuracy():
-    result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--devices", "8"])
+@pytest.mark.parametrize(
+    ("loop", "last_epoch"), [("fit", "epoch 20/20 "), ("custom", "epoch  20/20")]
+)
+def test_demo_trains_to_high_accuracy(loop, last_epoch):
+    result = _run([sys.executable, "-m", "mirrored.cli", "demo", "--devices", "8", "--loop", loop])
     assert result.returncode == 0, result.stderr
     assert "8 replica(s) on /cpu:0" in result.stdout
     assert "global batch 128 = 8 replicas × 16 per replica" in result.stdout
-    assert "epoch  20/20" in result.stdout
+    assert last_epoch in result.stdout
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.9
 
@@ -40,8 +45,9 @@ def test_demo_pads_an_indivisible_batch_and_rejects_a_too_small_one():
     assert "gives each of the 8 replicas 0 examples" in result.stderr
 
 
-def test_custom_loop_example():
-    result = _run([sys.executable, "examples/custom_loop.py"])
+@pytest.mark.parametrize("example", ["custom_loop.py", "fit.py"])
+def test_examples(example):
+    result = _run([sys.executable, f"examples/{example}"])
     assert result.returncode == 0, result.stderr
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.9

@@ -22,20 +22,14 @@ from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
 logger = logging.getLogger("mirrored")
 
 
-class _Totals(nnx.Module):
-    """Running sums of the loss and metrics over real examples, and their count (mirrored)."""
-
-    def __init__(self, size: int) -> None:
-        self.sums = nnx.Variable(jnp.zeros((size,), jnp.float32))
-        self.count = nnx.Variable(jnp.zeros((), jnp.float32))
-
-
 def _make_steps(
     loss_fn: Any, metrics: Sequence[_objectives.Metric]
 ) -> tuple[Callable[..., Any], ...]:
     """The per-replica train, eval and predict steps. They close over configuration only."""
 
-    def accumulate(totals: _Totals, per_example: Any, y: Any, y_pred: Any) -> None:
+    def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any) -> Any:
+        # Each replica keeps its own running sums (loss, metrics..., count), like TensorFlow's
+        # SYNC_ON_READ variables: no collective per step; they are summed when read.
         ctx = _context.current_replica_context()
         assert ctx is not None
         ones = per_example * 0 + 1  # replica-local, like the examples themselves
@@ -43,14 +37,11 @@ def _make_steps(
         weight = weight.astype(jnp.float32)
         local = [jnp.sum(per_example.astype(jnp.float32) * weight)]
         local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in metrics]
-        # Global sums and counts, so 8 replicas report exactly what 1 device would.
-        sums, count = ctx.all_reduce("SUM", (jnp.stack(local), jnp.sum(weight)))
-        totals.sums[...] = totals.sums[...] + sums
-        totals.count[...] = totals.count[...] + count
+        return totals + jnp.stack([*local, jnp.sum(weight)])
 
     def train_step(
-        model: Any, optimizer: nnx.Optimizer, totals: _Totals, x: Any, y: Any, w: Any = None
-    ) -> None:
+        model: Any, optimizer: nnx.Optimizer, totals: Any, x: Any, y: Any, w: Any = None
+    ) -> Any:
         def loss_of(model: Any) -> Any:
             y_pred = model(x)
             per_example = loss_fn(y, y_pred)
@@ -58,11 +49,11 @@ def _make_steps(
 
         (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
         optimizer.update(model, grads)
-        accumulate(totals, per_example, y, y_pred)
+        return accumulate(totals, per_example, y, y_pred)
 
-    def eval_step(model: Any, totals: _Totals, x: Any, y: Any, w: Any = None) -> None:
+    def eval_step(model: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         y_pred = model(x)
-        accumulate(totals, loss_fn(y, y_pred), y, y_pred)
+        return accumulate(totals, loss_fn(y, y_pred), y, y_pred)
 
     def predict_step(model: Any, x: Any) -> Any:
         return model(x)
@@ -98,6 +89,37 @@ def _is_arrays(x: Any) -> bool:
     if isinstance(x, dict):
         return all(isinstance(v, np.ndarray | jax.Array) for v in jax.tree.leaves(x))
     return False
+
+
+def _placed_batches(x: Any) -> bool:
+    """A list of batches already distributed (their leaves are PerReplica values)."""
+    from mirrored._values import PerReplica
+
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(v, PerReplica) for v in jax.tree.leaves(x[0], is_leaf=_is_pr))
+    )
+
+
+def _is_pr(v: Any) -> bool:
+    from mirrored._values import PerReplica
+
+    return isinstance(v, PerReplica)
+
+
+class _Placed:
+    """Batches the caller already distributed: every epoch replays them in order."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
+        del epoch
+        return iter(self._batches[skip:])
 
 
 def _batch_args(batch: Any) -> tuple[Any, ...]:
@@ -158,10 +180,9 @@ class Trainer:
                 self.optimizer = optimizer
             else:
                 self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
-            self._train_totals = _Totals(len(names))
-            self._eval_totals = _Totals(len(names))
         self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(self.loss, self.metrics)
+        self._train_totals = self._zeros()
         self.stop_training = False
         self._epoch = 0
         self._start: tuple[int, int] | None = None
@@ -170,13 +191,18 @@ class Trainer:
     # -- state for checkpoints --------------------------------------------------------------
 
     def _state_objects(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.optimizer, "totals": self._train_totals}
+        return {"model": self.model, "optimizer": self.optimizer}
 
     def _training_state(self) -> dict[str, np.ndarray]:
-        return _checkpoint.state_arrays(self._state_objects())
+        arrays = _checkpoint.state_arrays(self._state_objects())
+        arrays["totals/sums"] = self._sums(self._train_totals)
+        return arrays
 
     def _load_training_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
+        arrays = dict(arrays)
+        sums = arrays.pop("totals/sums")
         _checkpoint.load_state_arrays(self._state_objects(), arrays, source)
+        self._train_totals = self._zeros(first=sums)  # the sums may come from N' replicas
 
     def _resume_at(self, epoch: int, step: int) -> None:
         self._start = (epoch, step)
@@ -186,10 +212,10 @@ class Trainer:
     def _dataset(
         self, x: Any, y: Any, *, batch_size: int | None, shuffle: bool, seed: int
     ) -> DistributedDataset:
-        if isinstance(x, DistributedDataset):
+        if isinstance(x, DistributedDataset) or _placed_batches(x):
             if y is not None:
                 raise ValueError("Expected y=None with a distributed dataset; it yields (x, y).")
-            return x
+            return x if isinstance(x, DistributedDataset) else _Placed(x)  # type: ignore[return-value]
         if y is not None or _is_arrays(x):
             if y is not None and not (_is_arrays(x) and _is_arrays(y)):
                 raise TypeError(
@@ -203,18 +229,26 @@ class Trainer:
             )
         return self.strategy.experimental_distribute_dataset(x, batch_size=batch_size)
 
-    def _read(self, totals: _Totals, prefix: str = "") -> dict[str, float]:
-        sums = np.asarray(totals.sums.get_value(), np.float64)
-        count = float(totals.count.get_value())
-        return {
-            prefix + n: float(s / count) if count else math.nan
-            for n, s in zip(self._names, sums, strict=True)
-        }
+    def _zeros(self, first: np.ndarray | None = None) -> Any:
+        """Per-replica running sums, all zero (or `first` on replica 0)."""
+        size = len(self._names) + 1
 
-    def _reset(self, totals: _Totals) -> None:
-        replicated = self.strategy._replicated
-        totals.sums.set_value(jax.device_put(np.zeros(len(self._names), np.float32), replicated))
-        totals.count.set_value(jax.device_put(np.zeros((), np.float32), replicated))
+        def row(ctx: Any) -> np.ndarray:
+            if first is not None and ctx.replica_id_in_sync_group == 0:
+                return np.asarray(first, np.float32)
+            return np.zeros(size, np.float32)
+
+        return self.strategy.experimental_distribute_values_from_function(row)
+
+    def _sums(self, totals: Any) -> np.ndarray:
+        return np.asarray(self.strategy.reduce("SUM", totals), np.float64)
+
+    def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
+        *sums, count = self._sums(totals)
+        return {
+            prefix + name: float(value / count) if count else math.nan
+            for name, value in zip(self._names, sums, strict=True)
+        }
 
     # -- fit ---------------------------------------------------------------------------------------
 
@@ -277,15 +311,18 @@ class Trainer:
         self.stop_training = False
         self._start = None
         self._interrupted = True
+        per_step = callback_list.overrides("on_train_batch_begin") or callback_list.overrides(
+            "on_train_batch_end"
+        )
         callback_list.on_train_begin()
         first_epoch, first_step = self._start or (initial_epoch, 0)
         if self._start is None:
-            self._reset(self._train_totals)
+            self._train_totals = self._zeros()
         self.model.train()
         for epoch in range(first_epoch, epochs):
             self._epoch = epoch
             if epoch != first_epoch or first_step == 0:
-                self._reset(self._train_totals)
+                self._train_totals = self._zeros()
             callback_list.on_epoch_begin(epoch)
             batches = train.epoch_iterator(
                 epoch + 1, skip=first_step if epoch == first_epoch else 0
@@ -294,14 +331,16 @@ class Trainer:
             for batch in batches:
                 if step >= steps:
                     break
-                callback_list.on_train_batch_begin(step)
-                self.strategy.run(
+                if per_step:
+                    callback_list.on_train_batch_begin(step)
+                self._train_totals = self.strategy.run(
                     self._train_step,
                     args=(self.model, self.optimizer, self._train_totals, *_batch_args(batch)),
                 )
-                callback_list.on_train_batch_end(
-                    step, _Logs(lambda: self._read(self._train_totals))
-                )
+                if per_step:
+                    callback_list.on_train_batch_end(
+                        step, _Logs(lambda: self._read(self._train_totals))
+                    )
                 step += 1
                 if self.stop_training:
                     break
@@ -333,12 +372,12 @@ class Trainer:
             x, y = data, None
         dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
         self.model.eval()
-        self._reset(self._eval_totals)
+        totals = self._zeros()
         for batch in dataset.epoch_iterator(1):
-            self.strategy.run(
-                self._eval_step, args=(self.model, self._eval_totals, *_batch_args(batch))
+            totals = self.strategy.run(
+                self._eval_step, args=(self.model, totals, *_batch_args(batch))
             )
-        return self._read(self._eval_totals, prefix)
+        return self._read(totals, prefix)
 
     def evaluate(
         self, x: Any = None, y: Any = None, *, batch_size: int | None = None, verbose: int = 0
@@ -374,9 +413,4 @@ class Trainer:
 
 
 def _has_per_replica(value: Any) -> bool:
-    from mirrored._values import PerReplica
-
-    return any(
-        isinstance(v, PerReplica)
-        for v in jax.tree.leaves(value, is_leaf=lambda v: isinstance(v, PerReplica))
-    )
+    return any(_is_pr(v) for v in jax.tree.leaves(value, is_leaf=_is_pr))

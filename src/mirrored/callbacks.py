@@ -70,16 +70,29 @@ class Callback:
 
 
 class CallbackList:
-    """Calls every callback's hook in order."""
+    """Calls every callback's hook in order, skipping the ones a callback does not override."""
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
         self.callbacks = list(callbacks)
 
-    def __getattr__(self, hook: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> None:
-            for callback in self.callbacks:
-                getattr(callback, hook)(*args, **kwargs)
+    def overrides(self, hook: str) -> bool:
+        """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
+        base = getattr(Callback, hook, None)
+        return any(getattr(type(c), hook, None) is not base for c in self.callbacks)
 
+    def __getattr__(self, hook: str) -> Any:
+        base = getattr(Callback, hook, None)
+        methods = [
+            getattr(c, hook)
+            for c in self.callbacks
+            if not hook.startswith("on_") or getattr(type(c), hook, None) is not base
+        ]
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for method in methods:
+                method(*args, **kwargs)
+
+        setattr(self, hook, call)  # resolved once per fit
         return call
 
 
@@ -111,7 +124,7 @@ class ProgbarLogger(Callback):
     def __init__(self, verbose: int = 1, *, refresh_s: float = 0.25) -> None:
         self.verbose = verbose
         self.refresh_s = refresh_s
-        self.console = Console(stderr=False)
+        self.console = Console(soft_wrap=True)
         self._progress: Progress | None = None
 
     def _live(self) -> bool:

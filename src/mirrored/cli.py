@@ -42,20 +42,29 @@ def demo(
         min=1,
         help="Simulate this many CPU devices (default: 8 when no accelerator is installed).",
     ),
+    loop: str = typer.Option(
+        "fit", help="'fit' (Trainer.fit) or 'custom' (a strategy.run training loop)."
+    ),
     epochs: int = typer.Option(20, min=1, help="Passes over the training data."),
     batch_size: int = typer.Option(128, min=1, help="GLOBAL batch size, split over replicas."),
     learning_rate: float = typer.Option(3e-3, help="Adam learning rate."),
     seed: int = typer.Option(0, help="Seed for initialisation and shuffling."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show INFO logs."),
 ) -> None:
-    """Train an MLP on scikit-learn's bundled digits with a MirroredStrategy custom loop."""
+    """Train an MLP on scikit-learn's bundled digits with a MirroredStrategy."""
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _setup_devices(devices)
     from mirrored._demo import run_demo
 
     try:
-        run_demo(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+        run_demo(
+            loop=loop,
+            epochs=epochs,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            seed=seed,
+        )
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
