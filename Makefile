@@ -25,6 +25,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/input_pipeline.py
+	$(BIN)/python benchmarks/fit_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
