@@ -58,3 +58,14 @@ def test_scalar_loss_is_refused():
 def test_bad_global_batch_size(bad):
     with pytest.raises(ValueError, match="positive int"):
         mirrored.compute_average_loss(jnp.ones(3), global_batch_size=bad)
+
+
+def test_per_replica_size_as_global_batch_is_refused(strategy):
+    (batch,) = list(strategy.experimental_distribute_dataset([np.ones((64,), np.float32)]))
+
+    def fn(x):
+        return mirrored.compute_average_loss(x, global_batch_size=8)
+
+    with pytest.raises(ValueError, match=r"GLOBAL batch size.*global batch is 64") as info:
+        strategy.run(fn, args=(batch,))
+    assert "8× too large" in str(info.value)

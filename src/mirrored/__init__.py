@@ -18,11 +18,13 @@ from mirrored._strategy import (
 )
 from mirrored._trainer import Trainer
 from mirrored._values import PerReplica, ReduceOp, ValueContext
+from mirrored._verify import Check, Report, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "Check",
     "DistributedDataset",
     "InputContext",
     "InputOptions",
@@ -31,6 +33,7 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "Report",
     "Strategy",
     "Trainer",
     "ValueContext",
@@ -45,4 +48,5 @@ __all__ = [
     "save_checkpoint",
     "scale_regularization_loss",
     "simulate_cpu_devices",
+    "verify",
 ]

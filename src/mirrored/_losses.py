@@ -71,6 +71,22 @@ def compute_average_loss(
             f"Expected global_batch_size to be a positive int; found {global_batch_size!r}. "
             "Fix: pass the GLOBAL batch size (per-replica size × num_replicas_in_sync)."
         )
+    elif (
+        isinstance(global_batch_size, int)
+        and global_batch_size == losses.shape[0]
+        and _num_replicas() > 1
+        and ctx is not None
+    ):
+        # The classic trap: the per-replica size where the global one belongs (N× gradients).
+        n = _num_replicas()
+        raise ValueError(
+            f"compute_average_loss expected the GLOBAL batch size; found "
+            f"global_batch_size={global_batch_size}, which is this replica's batch size "
+            f"({n} replicas: the global batch is {global_batch_size * n}). Dividing by the "
+            f"per-replica size makes the summed gradients {n}× too large.\n"
+            "Fix: compute_average_loss(per_example_loss) (it uses the global batch), or pass "
+            f"global_batch_size={global_batch_size * n}."
+        )
     return jnp.sum(losses) / jnp.asarray(global_batch_size, dtype=losses.dtype)
 
 

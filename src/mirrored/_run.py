@@ -37,6 +37,15 @@ _CONSTANT = "c"  # NumPy array or Python number: the same value on every replica
 _STATIC = "x"  # anything else: part of the program, compared by value
 
 
+def _state_as_arguments(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
+    """`run(model, ...)` and `run(model.method, ...)`: the module travels as an argument."""
+    if _type_kind(type(fn)) in "vg":
+        return _call_object, (fn, *args)
+    if _type_kind(type(getattr(fn, "__self__", None))) == "g":
+        return fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
+    return fn, args
+
+
 def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
     # set_raw_value re-checks the trace state twice per call; on the host, between steps, there
     # is no trace to check, and this loop is on the per-step path.
@@ -195,16 +204,24 @@ class Runner:
         return out
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if _type_kind(type(fn)) in "vg":
-            fn, args = _call_object, (fn, *args)
-        elif _type_kind(type(getattr(fn, "__self__", None))) == "g":
-            fn, args = fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
+        fn, args = _state_as_arguments(fn, args)
         guard = self._guards.get(fn)
         if guard is not None:
             # Fast path: the state's structure is as last time; only the batch is flattened.
             inputs = guard.inputs(args, kwargs, self._check_split, self.is_mirrored)
             if inputs is not None:
                 return self._call(guard.program, guard, *inputs)
+        program, sorted_ = self._program_for(fn, args, kwargs)
+        guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
+        self._guards[fn] = guard
+        if guard is None:
+            guard = _fastpath.Guard.unguarded(program, sorted_.unique)
+        return self._call(program, guard, sorted_.state, *sorted_.with_mask())
+
+    def _program_for(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> tuple[_Program, _Sorted]:
+        """The full path: flatten and sort every leaf, then find or compile the program."""
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
         sorted_ = self._sort(leaves, args, kwargs)
         signature = "".join(sorted_.kinds)
@@ -220,11 +237,16 @@ class Runner:
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
             self._programs[key] = program
-        guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
-        self._guards[fn] = guard
-        if guard is None:
-            guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        return self._call(program, guard, sorted_.state, *sorted_.with_mask())
+        return program, sorted_
+
+    def compiled_text(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> str:
+        """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
+        fn, args = _state_as_arguments(fn, args)
+        program, sorted_ = self._program_for(fn, args, kwargs)
+        lowered = program.call.lower(sorted_.state, *sorted_.with_mask())  # type: ignore[attr-defined]
+        return str(lowered.compile().as_text())
 
     def _call(
         self,
@@ -361,13 +383,17 @@ class Runner:
         )
 
 
+class ReplicaDivergenceError(ValueError):
+    """A step wrote a replica-local value into mirrored state."""
+
+
 def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> ValueError:
     name = type(variable).__name__
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_leaf)[0]:
         if leaf is variable:
             name = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
             break
-    return ValueError(
+    return ReplicaDivergenceError(
         f"{fn_name!r} wrote a value into the mirrored variable {name} that differs between "
         "replicas (it was computed from this replica's shard of the batch). Mirrored state must "
         "stay identical on every replica, or the replicas silently drift apart.\n"

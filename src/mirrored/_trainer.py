@@ -363,6 +363,38 @@ class Trainer:
         callback_list.on_train_end()
         return history
 
+    # -- verification -----------------------------------------------------------------------------
+
+    def verify(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        expected_replicas: int | None = None,
+        steps_per_epoch: int | None = None,
+        scaling: bool = False,
+    ) -> Any:
+        """Run `mirrored.verify` on this Trainer's training step with the first batch of x/y.
+
+        The model and optimizer are not changed (the checks run on copies). Use plain SGD to
+        make the single-device equivalence check sensitive to gradient scale.
+        """
+        from mirrored._verify import verify
+
+        dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
+        batch = next(iter(dataset.epoch_iterator(1)))
+        size = len(jax.tree.leaves(x)[0]) if _is_arrays(x) else None
+        return verify(
+            self.strategy,
+            self._train_step,
+            (self.model, self.optimizer, self._zeros(), *_batch_args(batch)),
+            expected_replicas=expected_replicas,
+            dataset_size=size,
+            steps_per_epoch=steps_per_epoch,
+            scaling=scaling,
+        )
+
     # -- evaluate / predict -------------------------------------------------------------------
 
     def _evaluate(self, data: Any, batch_size: int | None, *, prefix: str = "") -> dict[str, float]:

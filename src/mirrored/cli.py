@@ -71,6 +71,47 @@ def demo(
 
 
 @app.command()
+def doctor(
+    devices: int | None = typer.Option(
+        None, "--devices", min=1, help="Simulate this many CPU devices (default: 8 without GPUs)."
+    ),
+    expect: int | None = typer.Option(
+        None, "--expect", min=1, help="Replicas you expect; fewer is a failure."
+    ),
+    step: str | None = typer.Option(
+        None,
+        "--step",
+        help="Check your own step: FILE.py:FUNCTION, where FUNCTION() returns "
+        "(strategy, step_fn, args).",
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    plot: str | None = typer.Option(None, "--plot", help="Save the scaling plot (PNG) here."),
+    scaling: bool = typer.Option(True, help="Measure weak scaling over 1..N replicas."),
+) -> None:
+    """Prove that training is really distributed: devices, collectives, sync, scale, input."""
+    _setup_devices(devices)
+    from mirrored._doctor import builtin_step, user_step
+    from mirrored._verify import verify
+
+    try:
+        strategy, step_fn, args = user_step(step) if step else builtin_step()
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
+    report = verify(strategy, step_fn, args, expected_replicas=expect, scaling=scaling)
+    if json_output:
+        typer.echo(report.to_json())
+    else:
+        report.print()
+    if plot:
+        report.plot(plot)
+        if not json_output:
+            typer.echo(f"scaling plot: {plot}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def version() -> None:
     """Print the versions of mirrored and its stack."""
     import flax

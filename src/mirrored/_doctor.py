@@ -1,0 +1,53 @@
+"""What `mirrored doctor` checks: a built-in step on the digits, or a step from a user's file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optax
+from flax import nnx
+
+import mirrored
+from mirrored._demo import DigitsMLP, load_digits_split, train_step
+
+
+def builtin_step(batch_size: int = 128) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
+    """A MirroredStrategy over every device, the digits MLP with SGD, one global batch."""
+    strategy = mirrored.MirroredStrategy()
+    with strategy.scope():
+        model = DigitsMLP(rngs=nnx.Rngs(0))
+        # Plain SGD: unlike Adam, it shows a wrongly scaled gradient in the update.
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    x, y, _, _ = load_digits_split()
+    global_batch = max(batch_size, strategy.num_replicas_in_sync)
+    (batch,) = list(
+        strategy.experimental_distribute_dataset([(x[:global_batch], y[:global_batch])])
+    )
+    return strategy, train_step, (model, optimizer, *batch)
+
+
+def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
+    """Load FILE.py:FUNCTION and call FUNCTION() → (strategy, step_fn, args)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"Expected --step FILE.py:FUNCTION; found {spec!r}.")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Expected a Python file at {path!r}; found none.")
+    module_spec = importlib.util.spec_from_file_location("mirrored_doctor_user_step", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise AttributeError(f"Expected a function {name!r} in {path}; found {factory!r}.")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 3):
+        raise TypeError(
+            f"Expected {name}() to return (strategy, step_fn, args); found {type(made).__name__}."
+        )
+    strategy, step_fn, args = made
+    return strategy, step_fn, tuple(np.asarray(a) if isinstance(a, list) else a for a in args)

@@ -1,0 +1,577 @@
+"""Proof of distribution: small, pure checks and `verify`, which runs them on a real step.
+
+"No error" does not mean the devices work together: training can silently run on one device,
+never synchronise, or synchronise at the wrong scale. Each check returns a `Check` with a
+status, a one-line summary and a paragraph that explains and tells how to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mirrored._devices import device_name
+from mirrored._run import ReplicaDivergenceError
+from mirrored._values import PerReplica
+
+PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
+
+
+@dataclasses.dataclass
+class Check:
+    """The outcome of one check."""
+
+    name: str
+    status: str
+    summary: str
+    explanation: str = ""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Report:
+    """Every check of one verification; `ok` when none failed."""
+
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != FAIL for c in self.checks)
+
+    def __getitem__(self, name: str) -> Check:
+        for check in self.checks:
+            if check.name == name:
+                return check
+        raise KeyError(f"No check named {name!r}; checks: {[c.name for c in self.checks]}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checks": [dataclasses.asdict(c) for c in self.checks]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=float)
+
+    def print(self, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title="mirrored: proof of distribution", show_lines=True)
+        table.add_column("check")
+        table.add_column("status")
+        table.add_column("finding")
+        colors = {PASS: "green", WARN: "yellow", FAIL: "red", INFO: "blue"}
+        for c in self.checks:
+            text = c.summary + (f"\n\n{c.explanation}" if c.explanation else "")
+            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", text)
+        console.print(table)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Save the weak-scaling plot (needs the scaling check)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        data = self["Scaling"].data
+        if not data.get("replicas"):
+            raise ValueError("The report has no scaling measurements; verify with scaling=True.")
+        replicas, efficiency = data["replicas"], data["efficiency"]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        left.plot(replicas, data["examples_per_s"], "o-", label="measured")
+        left.plot(replicas, [data["examples_per_s"][0] * r for r in replicas], "--", label="ideal")
+        left.set(xlabel="replicas", ylabel="examples / s", title="Weak scaling throughput")
+        left.legend()
+        right.plot(replicas, efficiency, "o-")
+        right.set(xlabel="replicas", ylabel="efficiency", ylim=(0, 1.1), title="Efficiency")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+# -- the checks, each pure -----------------------------------------------------------------
+
+
+def gpus_visible_to_system() -> bool:
+    """Whether the machine shows NVIDIA GPUs, whatever JAX uses."""
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def check_devices(
+    *,
+    used: Sequence[Any],
+    found: Sequence[Any],
+    expected_replicas: int | None = None,
+    gpus_visible: bool = False,
+    unmirrored_state: str | None = None,
+) -> Check:
+    """Requested vs found vs used devices, and where the state lives."""
+    names = [device_name(d) for d in used]
+    platform = used[0].platform if used else "none"
+    data = {"used": names, "found": [device_name(d) for d in found], "platform": platform}
+    summary = f"{len(used)} replica(s) on {', '.join(names)} ({len(found)} device(s) found)"
+    if unmirrored_state:
+        return Check(
+            "Devices", FAIL, summary + "; the state is not mirrored", unmirrored_state, data
+        )
+    if expected_replicas is not None and len(used) != expected_replicas:
+        return Check(
+            "Devices",
+            FAIL,
+            f"{len(used)} replica(s) in sync, but {expected_replicas} were expected",
+            f"Training runs on {len(used)} replica(s) although {expected_replicas} were "
+            f"expected: it would look distributed and use a fraction of the hardware. Found "
+            f"devices: {', '.join(data['found'])}. Fix: build MirroredStrategy() without a "
+            "devices= list to use every local device, and check CUDA_VISIBLE_DEVICES / the "
+            "installed jaxlib (pip install 'mirrored[cuda]') when GPUs are missing.",
+            data,
+        )
+    if platform == "cpu" and gpus_visible:
+        return Check(
+            "Devices",
+            WARN,
+            summary + "; GPUs are visible to the system but JAX uses the CPU",
+            "The machine has NVIDIA GPUs, but JAX's default backend is the CPU: training runs "
+            "on (simulated) CPU devices. Fix: pip install 'mirrored[cuda]' (jax[cuda12]) and "
+            "check that CUDA_VISIBLE_DEVICES does not hide the GPUs.",
+            data,
+        )
+    same_platform = [d for d in found if d.platform == platform]
+    if len(used) < len(same_platform):
+        return Check(
+            "Devices",
+            WARN,
+            summary + f"; {len(same_platform) - len(used)} device(s) unused",
+            f"The strategy uses {len(used)} of {len(same_platform)} {platform} devices. Fix: "
+            "MirroredStrategy() without devices= uses them all (ignore if intended).",
+            data,
+        )
+    return Check("Devices", PASS, summary, "", data)
+
+
+def count_all_reduces(hlo_text: str) -> int:
+    """All-reduce operations in compiled HLO text (sync and async forms)."""
+    return len(re.findall(r"\ball-reduce(?:-start)?\(", hlo_text))
+
+
+def check_collectives(hlo_text: str, num_replicas: int) -> Check:
+    """The compiled step must all-reduce across replicas when there is more than one."""
+    count = count_all_reduces(hlo_text)
+    data = {"all_reduce_ops": count, "replicas": num_replicas}
+    if num_replicas > 1 and count == 0:
+        return Check(
+            "Collectives",
+            FAIL,
+            f"no all-reduce in the compiled step over {num_replicas} replicas",
+            "The compiled program never communicates between replicas: each trains on its own "
+            'shard ("pretend-distributed"). Fix: compute the loss with '
+            "mirrored.compute_average_loss inside strategy.run and take gradients of mirrored "
+            "parameters passed as arguments; JAX then sums them across replicas.",
+            data,
+        )
+    if num_replicas == 1:
+        return Check(
+            "Collectives", INFO, f"1 replica: {count} all-reduce op(s) needed none", "", data
+        )
+    return Check(
+        "Collectives", PASS, f"{count} all-reduce op(s) over {num_replicas} replicas", "", data
+    )
+
+
+def check_in_sync(arrays: dict[str, jax.Array]) -> Check:
+    """Every device holds bit-identical copies of every mirrored array."""
+    for name, array in arrays.items():
+        shards = [np.asarray(s.data) for s in array.addressable_shards]
+        first = shards[0]
+        for shard in shards[1:]:
+            if shard.tobytes() != first.tobytes():
+                diff = float(np.max(np.abs(shard.astype(np.float64) - first.astype(np.float64))))
+                return Check(
+                    "Replicas in sync",
+                    FAIL,
+                    f"{name} differs between devices (max difference {diff:.3g})",
+                    "The replicas hold different values of a mirrored variable, so they train "
+                    "different models. Fix: write only values that are identical on every "
+                    "replica into mirrored state (all_reduce replica-local statistics first), "
+                    "and never build mirrored arrays from per-device data.",
+                    {"variable": name, "max_difference": diff},
+                )
+    return Check(
+        "Replicas in sync",
+        PASS,
+        f"{len(arrays)} mirrored array(s) bit-identical on every device",
+        "",
+        {"arrays": len(arrays)},
+    )
+
+
+def _diagnose(factor: float, n: int) -> str:
+    if n > 1 and math.isclose(factor, n, rel_tol=0.02):
+        return (
+            f"The factor is the replica count ({n}): the per-replica loss is averaged over the "
+            "replica's own examples (loss.mean()) or divided by the per-replica batch size, and "
+            "the gradients of mirrored parameters are then SUMMED over replicas. Fix: "
+            "loss = mirrored.compute_average_loss(per_example_loss) (divides by the GLOBAL "
+            "batch), and do not all-reduce the gradients yourself."
+        )
+    if n > 1 and math.isclose(factor, 1 / n, rel_tol=0.02):
+        return (
+            f"The factor is 1/{n}: the loss is divided by the replica count once too often "
+            "(e.g. compute_average_loss with the global batch AND a division by "
+            "num_replicas_in_sync). Fix: use compute_average_loss(per_example_loss) alone."
+        )
+    return "Fix: compute the loss with mirrored.compute_average_loss(per_example_loss)."
+
+
+def check_equivalence(
+    replicated_update: dict[str, np.ndarray],
+    single_update: dict[str, np.ndarray],
+    num_replicas: int,
+    *,
+    rtol: float = 1e-4,
+) -> Check:
+    """One N-replica step must update the parameters as one single-device step does."""
+    names = sorted(single_update)
+    a = np.concatenate([np.ravel(replicated_update[k]).astype(np.float64) for k in names])
+    b = np.concatenate([np.ravel(single_update[k]).astype(np.float64) for k in names])
+    norm_b = float(np.linalg.norm(b))
+    if norm_b == 0.0:
+        return Check(
+            "Single-device equivalence",
+            WARN,
+            "the step did not change any parameter; nothing to compare",
+            "One step on a single device left every parameter unchanged (a zero learning rate, "
+            "or a step that does not update the model?).",
+        )
+    relative = float(np.linalg.norm(a - b) / norm_b)
+    factor = float(a @ b / (b @ b))
+    residual = float(np.linalg.norm(a - factor * b)) / max(float(np.linalg.norm(a)), 1e-30)
+    data = {"relative_difference": relative, "factor": factor, "replicas": num_replicas}
+    if relative <= rtol:
+        return Check(
+            "Single-device equivalence",
+            PASS,
+            f"one {num_replicas}-replica step equals one single-device step "
+            f"(relative difference {relative:.2g})",
+            "",
+            data,
+        )
+    if residual <= 1e-3:
+        size = "large" if factor > 1 else "small"
+        return Check(
+            "Single-device equivalence",
+            FAIL,
+            f"updates are {factor:.1f}× too {size} compared with one device",
+            _diagnose(factor, num_replicas),
+            data,
+        )
+    return Check(
+        "Single-device equivalence",
+        FAIL,
+        f"updates differ from one device's (relative difference {relative:.2g}), not by a "
+        "constant factor",
+        "The replicas do not compute the global-batch update: gradients are not combined over "
+        "the whole batch, or replicas see different parameters. Fix: take gradients of "
+        "mirrored parameters passed to strategy.run, with compute_average_loss.",
+        data,
+    )
+
+
+def check_scaling(throughput: dict[int, float], platform: str) -> Check:
+    """Weak-scaling efficiency: examples/s at n replicas over n × the 1-replica rate."""
+    replicas = sorted(throughput)
+    rates = [throughput[n] for n in replicas]
+    efficiency = [rates[i] / (replicas[i] * rates[0]) for i in range(len(replicas))]
+    data = {"replicas": replicas, "examples_per_s": rates, "efficiency": efficiency}
+    summary = ", ".join(f"{n}: {e:.0%}" for n, e in zip(replicas, efficiency, strict=True))
+    if platform == "cpu":
+        return Check(
+            "Scaling",
+            INFO,
+            f"weak-scaling efficiency {summary}",
+            "Simulated CPU devices share the host's cores, so adding replicas adds no compute: "
+            "these numbers test the machinery, not speed-up. Run on accelerators to judge.",
+            data,
+        )
+    status = PASS if efficiency[-1] >= 0.7 else WARN
+    return Check(
+        "Scaling",
+        status,
+        f"weak-scaling efficiency {summary}",
+        ""
+        if status == PASS
+        else "Efficiency drops as replicas are added: the step may be too small per replica "
+        "(raise the per-replica batch), or input may starve it.",
+        data,
+    )
+
+
+def check_input(
+    num_replicas: int,
+    global_batch: int,
+    *,
+    dataset_size: int | None = None,
+    steps_per_epoch: int | None = None,
+) -> Check:
+    """Per-replica and global batch sizes, steps per epoch, and a ragged last batch."""
+    padded = global_batch + (-global_batch) % num_replicas
+    per_replica = padded // num_replicas
+    data: dict[str, Any] = {
+        "global_batch": global_batch,
+        "per_replica_batch": per_replica,
+        "replicas": num_replicas,
+    }
+    parts = [f"global batch {global_batch} = {num_replicas} × {per_replica} per replica"]
+    if padded != global_batch:
+        parts.append(f"padded to {padded}")
+    if dataset_size is not None:
+        expected = math.ceil(dataset_size / global_batch)
+        ragged = dataset_size % global_batch
+        data.update(dataset_size=dataset_size, steps_per_epoch=expected, last_batch=ragged or None)
+        parts.append(f"{expected} steps per epoch")
+        if ragged:
+            parts.append(f"ragged last batch of {ragged} (padded and masked)")
+        if steps_per_epoch is not None and steps_per_epoch != expected:
+            return Check(
+                "Input",
+                WARN,
+                "; ".join(parts) + f"; but steps_per_epoch={steps_per_epoch}",
+                f"An epoch of {dataset_size} examples at global batch {global_batch} is "
+                f"{expected} steps; steps_per_epoch={steps_per_epoch} "
+                + ("skips data" if steps_per_epoch < expected else "runs out of data")
+                + ". A common cause is computing it from the per-replica batch. Fix: leave "
+                "steps_per_epoch unset.",
+                data,
+            )
+    if num_replicas > 1 and per_replica < 8:
+        return Check(
+            "Input",
+            WARN,
+            "; ".join(parts),
+            f"Each replica gets only {per_replica} example(s) per step. batch_size is the "
+            f"GLOBAL batch: if {global_batch} was meant per replica, pass "
+            f"batch_size={global_batch * num_replicas}.",
+            data,
+        )
+    return Check("Input", PASS, "; ".join(parts), "", data)
+
+
+# -- verify: the checks on a real step -----------------------------------------------------------
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
+def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) -> list[Any]:
+    """Fresh copies of the NNX objects in `args`, their arrays placed by `place`."""
+    positions = [i for i, a in enumerate(args) if _is_state(a)]
+    graphdef, state = nnx.split(tuple(args[i] for i in positions))
+    state = jax.tree.map(lambda a: place(np.asarray(a)), state)
+    copies = list(args)
+    for i, obj in zip(positions, nnx.merge(graphdef, state), strict=True):  # type: ignore[arg-type]
+        copies[i] = obj
+    return [_move_batch(a, strategy) if isinstance(a, PerReplica) else a for a in copies]
+
+
+def _take(value: PerReplica, rows: int) -> PerReplica:
+    return _take_rows(value, rows) if not value.stacked else value
+
+
+def _move_batch(value: PerReplica, strategy: Any) -> PerReplica:
+    """A distributed batch re-split for `strategy` (same global rows, mask and count)."""
+    n = strategy.num_replicas_in_sync
+    if value.num_replicas == n:
+        return value
+    split = strategy._split
+    if value.stacked:  # per-replica values (e.g. running sums): the first n replicas' values
+        rows = np.asarray(value.stacked_value())[:n]
+        return PerReplica(jax.device_put(rows, split), num_replicas=n, stacked=True)
+    mask = None if value._mask is None else jax.device_put(np.asarray(value._mask), split)
+    count = (
+        None
+        if value._count is None
+        else jax.device_put(np.asarray(value._count), strategy._replicated)
+    )
+    return PerReplica(
+        jax.device_put(np.asarray(value.global_value), split),
+        num_replicas=strategy.num_replicas_in_sync,
+        stacked=False,
+        mask=mask,
+        count=count,
+    )
+
+
+def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
+    out = {}
+    for i, arg in enumerate(args):
+        if nnx.graph.is_graph_node(arg) and isinstance(arg, nnx.Module):
+            for path, var in nnx.to_flat_state(nnx.state(arg, nnx.Param)):
+                out[f"args[{i}]." + ".".join(map(str, path))] = np.asarray(var.get_value())
+    return out
+
+
+def _mirrored_arrays(args: Sequence[Any]) -> dict[str, jax.Array]:
+    out = {}
+    for i, arg in enumerate(args):
+        if _is_state(arg):
+            for path, var in nnx.to_flat_state(nnx.state(arg)):
+                out[f"args[{i}]." + ".".join(map(str, path))] = var.get_value()
+    return out
+
+
+def _global_batch(args: Sequence[Any]) -> int | None:
+    for leaf in jax.tree.leaves(list(args), is_leaf=lambda x: isinstance(x, PerReplica)):
+        if isinstance(leaf, PerReplica) and not leaf.stacked:
+            return int(leaf.global_value.shape[0])
+    return None
+
+
+def verify(
+    strategy: Any,
+    step_fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    steps: int = 3,
+    expected_replicas: int | None = None,
+    dataset_size: int | None = None,
+    steps_per_epoch: int | None = None,
+    scaling: bool = False,
+    scaling_steps: int = 10,
+) -> Report:
+    """Prove that `strategy.run(step_fn, args)` really trains as one synchronous model.
+
+    Runs on copies of the state (the caller's model and optimizer are untouched): the devices
+    used; all-reduces in the compiled step; bit-identical replicas after `steps` steps; one
+    N-replica step against one single-device step on the same global batch (use plain SGD:
+    Adam hides scale errors); optionally weak scaling; the input batch sizes.
+
+    Example:
+        >>> report = mirrored.verify(strategy, train_step, (model, optimizer, x, y))
+        >>> report.print(); assert report.ok
+    """
+    from mirrored._strategy import MirroredStrategy
+
+    args = list(args)
+    n = strategy.num_replicas_in_sync
+    devices = list(strategy.extended.worker_devices)
+    unmirrored = None
+    try:
+        for i, arg in enumerate(args):
+            if _is_state(arg):
+                strategy._runner.check_mirrored(arg, f"args[{i}]")
+    except ValueError as error:
+        unmirrored = str(error)
+    checks = [
+        check_devices(
+            used=devices,
+            found=jax.local_devices(),
+            expected_replicas=expected_replicas,
+            gpus_visible=gpus_visible_to_system(),
+            unmirrored_state=unmirrored,
+        )
+    ]
+    replicated = strategy._replicated
+    copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
+    try:
+        checks.append(check_collectives(strategy._runner.compiled_text(step_fn, copies, {}), n))
+    except ReplicaDivergenceError as error:
+        # Mirrored state computed from replica-local data: nothing synchronises the replicas.
+        checks.append(check_collectives("", n))
+        checks.append(Check("Replicas in sync", FAIL, str(error).split("\n")[0], str(error)))
+        return Report(checks)
+    except (ValueError, TypeError) as error:
+        # The step cannot even be traced: report why; the checks that run it would only repeat it.
+        first = str(error).split("\n")[0]
+        checks.append(
+            Check("Collectives", FAIL, f"the step failed to compile: {first}", str(error))
+        )
+        return Report(checks)
+
+    try:
+        for _ in range(steps):
+            strategy.run(step_fn, args=copies)
+        checks.append(check_in_sync(_mirrored_arrays(copies)))
+    except ValueError as error:
+        checks.append(Check("Replicas in sync", FAIL, str(error).split("\n")[0], str(error)))
+
+    single = MirroredStrategy(devices[:1])
+    try:
+        before = _params(args)
+        ours = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
+        strategy.run(step_fn, args=ours)
+        theirs = _copy_args(args, lambda a: jax.device_put(a, single._replicated), single)
+        single.run(step_fn, args=theirs)
+        after_ours, after_theirs = _params(ours), _params(theirs)
+        checks.append(
+            check_equivalence(
+                {k: after_ours[k] - before[k] for k in before},
+                {k: after_theirs[k] - before[k] for k in before},
+                n,
+            )
+        )
+    except ValueError as error:
+        checks.append(
+            Check("Single-device equivalence", FAIL, str(error).split("\n")[0], str(error))
+        )
+
+    if scaling:
+        checks.append(_measure_scaling(step_fn, args, devices, scaling_steps))
+    global_batch = _global_batch(args)
+    if global_batch is not None:
+        checks.append(
+            check_input(n, global_batch, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
+        )
+    return Report(checks)
+
+
+def _measure_scaling(
+    step_fn: Callable[..., Any], args: Sequence[Any], devices: list[Any], steps: int
+) -> Check:
+    from mirrored._strategy import MirroredStrategy
+
+    n = len(devices)
+    counts = sorted({1, *(2**k for k in range(1, n.bit_length()) if 2**k < n), n})
+    global_batch = _global_batch(args) or n
+    per_replica = max(1, global_batch // n)
+    rates = {}
+    for count in counts:
+        sub = MirroredStrategy(devices[:count])
+        rows = per_replica * count
+
+        def place(a: Any, sub: Any = sub) -> Any:
+            return jax.device_put(a, sub._replicated)
+
+        copies = _copy_args(
+            [_take(a, rows) if isinstance(a, PerReplica) else a for a in args], place, sub
+        )
+        sub.run(step_fn, args=copies)  # compile
+        jax.block_until_ready(_mirrored_arrays(copies))
+        start = time.perf_counter()
+        for _ in range(steps):
+            sub.run(step_fn, args=copies)
+        jax.block_until_ready(_mirrored_arrays(copies))
+        rates[count] = steps * rows / (time.perf_counter() - start)
+    return check_scaling(rates, devices[0].platform)
+
+
+def _take_rows(value: PerReplica, rows: int) -> PerReplica:
+    """The first `rows` rows of a distributed batch, as a host-side template for re-splitting."""
+    mask = value._mask
+    return PerReplica(
+        np.asarray(value.global_value)[:rows],  # type: ignore[arg-type]
+        num_replicas=-1,
+        stacked=False,
+        mask=None if mask is None else np.asarray(mask)[:rows],  # type: ignore[arg-type]
+        count=None if mask is None else np.asarray(np.asarray(mask)[:rows].sum(), np.int32),  # type: ignore[arg-type]
+    )
