@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,21 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-
-class MLP(nnx.Module):
-    """784 → hidden… → 10 with ReLU: the seed MLP is (128,), the wide MLP (2048, 2048)."""
-
-    def __init__(self, hidden: tuple[int, ...], *, rngs: nnx.Rngs) -> None:
-        sizes = (784, *hidden, 10)
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
-        return self.layers[-1](x)
-
-
-MODELS = {"seed_mlp": ((128,), 256), "wide_mlp": ((2048, 2048), 512)}
+from mirrored._bench import MLP as MLP  # one definition of the models, re-exported
+from mirrored._bench import MODELS as MODELS
 
 
 def synthetic_batches(batch: int, count: int = 4, seed: int = 0) -> list[tuple[np.ndarray, ...]]:

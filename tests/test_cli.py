@@ -1,5 +1,6 @@
 """The demo and the examples run end to end, as a user would start them."""
 
+import json
 import os
 import re
 import subprocess
@@ -51,3 +52,71 @@ def test_examples(example):
     assert result.returncode == 0, result.stderr
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.9
+
+
+def test_bench_reports_weak_and_strong_scaling(tmp_path):
+    plot = tmp_path / "bench.png"
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "mirrored.cli",
+            "bench",
+            "--devices",
+            "2",
+            "--models",
+            "seed_mlp",
+            "--steps",
+            "2",
+            "--json",
+            "--plot",
+            str(plot),
+        ]
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    seed = report["models"]["seed_mlp"]
+    assert report["devices"] == 2 and seed["replicas"] == [1, 2]
+    assert seed["weak"]["per_replica_batch"] == 128 and seed["strong"]["global_batch"] == 256
+    assert seed["weak"]["efficiency"][0] == 1.0 and all(
+        r > 0 for r in seed["strong"]["examples_per_s"]
+    )
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    bad = _run([sys.executable, "-m", "mirrored.cli", "bench", "--models", "resnet"])
+    assert bad.returncode == 2 and "unknown model" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        [
+            "step_overhead.py",
+            "--devices",
+            "2",
+            "--steps",
+            "3",
+            "--repeats",
+            "1",
+            "--models",
+            "seed_mlp",
+        ],
+        ["input_pipeline.py", "--devices", "2", "--rows", "2048", "--repeats", "1"],
+        [
+            "fit_throughput.py",
+            "--devices",
+            "2",
+            "--steps",
+            "3",
+            "--repeats",
+            "1",
+            "--models",
+            "seed_mlp",
+        ],
+    ],
+    ids=lambda s: s[0],
+)
+def test_benchmark_scripts_run(script):
+    """Not a timing test: the benchmarks must keep working as the code changes."""
+    result = _run([sys.executable, f"benchmarks/{script[0]}", *script[1:]])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["benchmark"] == script[0].removesuffix(".py")

@@ -112,6 +112,36 @@ def doctor(
 
 
 @app.command()
+def bench(
+    devices: int | None = typer.Option(
+        None, "--devices", min=1, help="Simulate this many CPU devices (default: 8 without GPUs)."
+    ),
+    models: str = typer.Option("seed_mlp,wide_mlp", help="Comma-separated: seed_mlp, wide_mlp."),
+    steps: int = typer.Option(20, min=1, help="Timed steps per point (wide MLP: a fifth)."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    plot: str | None = typer.Option(None, "--plot", help="Save the efficiency plot (PNG) here."),
+) -> None:
+    """Weak and strong scaling of the seed and wide MLPs over 1, 2, 4 … N replicas."""
+    _setup_devices(devices)
+    import json
+
+    from mirrored._bench import MODELS, plot_report, print_report, scaling
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        typer.echo(f"error: unknown model(s) {unknown}; choose from {sorted(MODELS)}", err=True)
+        raise typer.Exit(2)
+    report = scaling(names, steps=steps)
+    if json_output:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    if plot:
+        plot_report(report, plot)
+
+
+@app.command()
 def version() -> None:
     """Print the versions of mirrored and its stack."""
     import flax
