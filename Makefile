@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/input_pipeline.py
 	$(BIN)/python benchmarks/fit_throughput.py
+	$(BIN)/python benchmarks/mixed_precision.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

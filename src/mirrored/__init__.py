@@ -1,6 +1,6 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
-from mirrored import callbacks, losses
+from mirrored import callbacks, losses, mixed_precision
 from mirrored._checkpoint import restore_checkpoint, save_checkpoint
 from mirrored._context import ReplicaContext
 from mirrored._input import DistributedDataset, InputContext, InputOptions
@@ -44,6 +44,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "losses",
+    "mixed_precision",
     "restore_checkpoint",
     "save_checkpoint",
     "scale_regularization_loss",

@@ -16,6 +16,7 @@ from flax import nnx
 from mirrored import _checkpoint, _context, _objectives
 from mirrored._input import DistributedDataset
 from mirrored._losses import compute_average_loss
+from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._strategy import Strategy, get_strategy
 from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
 
@@ -40,25 +41,43 @@ def _make_steps(
         return totals + jnp.stack([*local, jnp.sum(weight)])
 
     def train_step(
-        model: Any, optimizer: nnx.Optimizer, totals: Any, x: Any, y: Any, w: Any = None
+        model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None
     ) -> Any:
         def loss_of(model: Any) -> Any:
-            y_pred = model(x)
+            y_pred = _float32(model(x))  # losses in float32 whatever the compute dtype
             per_example = loss_fn(y, y_pred)
             return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
 
-        (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
-        optimizer.update(model, grads)
+        scaled = isinstance(optimizer, LossScaleOptimizer)
+        if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
+
+            def scaled_loss_of(model: Any) -> Any:
+                loss, aux = loss_of(model)
+                return optimizer.get_scaled_loss(loss), aux
+
+            (_, (y_pred, per_example)), grads = nnx.value_and_grad(scaled_loss_of, has_aux=True)(
+                model
+            )
+            optimizer.apply(model, optimizer.get_unscaled_gradients(grads))
+        else:
+            (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
+            optimizer.update(model, grads)
         return accumulate(totals, per_example, y, y_pred)
 
     def eval_step(model: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
-        y_pred = model(x)
+        y_pred = _float32(model(x))
         return accumulate(totals, loss_fn(y, y_pred), y, y_pred)
 
     def predict_step(model: Any, x: Any) -> Any:
         return model(x)
 
     return train_step, eval_step, predict_step
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
 
 
 class _Logs(Mapping[str, float]):
@@ -146,6 +165,11 @@ class Trainer:
         metrics: names (`"accuracy"`, `"sparse_categorical_accuracy"`, `"mse"`, `"mae"`) or
             callables `(y_true, y_pred)` returning one value per example.
         from_logits: for loss names: whether the model outputs logits (Keras' default: False).
+        policy: a `mirrored.mixed_precision` policy (default: the global one); applied to the
+            model, and `"mixed_float16"` adds dynamic loss scaling.
+        global_clipnorm: clip the (replica-summed) gradient to this global norm.
+        gradient_accumulation_steps: apply one update per this many batches, with their
+            gradients averaged (one step on a k-times larger batch).
 
     Example:
         >>> with strategy.scope():
@@ -165,9 +189,13 @@ class Trainer:
         *,
         from_logits: bool = False,
         strategy: Strategy | None = None,
+        policy: Policy | str | None = None,
+        global_clipnorm: float | None = None,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         self.strategy = strategy or get_strategy()
-        self.model = model
+        self.policy = global_policy() if policy is None else _as_policy(policy)
+        self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
         self.metrics = [_objectives.get_metric(m, self.loss) for m in metrics]
         names = ["loss", *(m.name for m in self.metrics)]
@@ -176,10 +204,9 @@ class Trainer:
         self._names = names
         self.strategy._runner.check_mirrored(model, "the model")
         with self.strategy.scope():
-            if isinstance(optimizer, nnx.Optimizer):
-                self.optimizer = optimizer
-            else:
-                self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+            self.optimizer = _build_optimizer(
+                model, optimizer, self.policy, global_clipnorm, gradient_accumulation_steps
+            )
         self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(self.loss, self.metrics)
         self._train_totals = self._zeros()
@@ -442,6 +469,42 @@ class Trainer:
                 )
             )
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+
+def _as_policy(policy: Policy | str) -> Policy:
+    return policy if isinstance(policy, Policy) else Policy(policy)
+
+
+def _build_optimizer(
+    model: nnx.Module,
+    optimizer: Any,
+    policy: Policy,
+    global_clipnorm: float | None,
+    accumulation: int,
+) -> Any:
+    """The optimizer the Trainer steps: clipping, accumulation and loss scaling as asked."""
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(
+            f"Expected gradient_accumulation_steps to be a positive int; found {accumulation!r}."
+        )
+    if isinstance(optimizer, nnx.Optimizer | LossScaleOptimizer):
+        if global_clipnorm is not None or accumulation > 1:
+            raise ValueError(
+                "global_clipnorm and gradient_accumulation_steps wrap an Optax transformation; "
+                f"found an already built {type(optimizer).__name__}. Fix: pass the Optax "
+                "transformation itself, e.g. optax.adam(1e-3)."
+            )
+        return optimizer
+    tx = optimizer
+    if global_clipnorm is not None:
+        # Gradients of mirrored parameters are already summed over replicas here, so every
+        # replica clips the same global gradient by the same global norm.
+        tx = optax.chain(optax.clip_by_global_norm(global_clipnorm), tx)
+    if accumulation > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=accumulation)
+    if policy.needs_loss_scaling:
+        return LossScaleOptimizer(model, tx)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _has_per_replica(value: Any) -> bool:
