@@ -6,7 +6,15 @@ from mirrored._context import ReplicaContext
 from mirrored._input import DistributedDataset, InputContext, InputOptions
 from mirrored._losses import compute_average_loss, scale_regularization_loss
 from mirrored._mesh import REPLICA_AXIS
+from mirrored._multiworker import (
+    ClusterResolver,
+    EnvironmentClusterResolver,
+    MultiWorkerMirroredStrategy,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+)
 from mirrored._platform import simulate_cpu_devices
+from mirrored._run import PeerFailureError
 from mirrored._strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -25,16 +33,22 @@ __version__ = "0.1.0"
 __all__ = [
     "REPLICA_AXIS",
     "Check",
+    "ClusterResolver",
     "DistributedDataset",
+    "EnvironmentClusterResolver",
     "InputContext",
     "InputOptions",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "PeerFailureError",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Report",
+    "SlurmClusterResolver",
     "Strategy",
+    "TFConfigClusterResolver",
     "Trainer",
     "ValueContext",
     "callbacks",

@@ -69,10 +69,18 @@ class Checkpoints:
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 1) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
+        os.makedirs(self.directory, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=False,
+                create=False,
+                # Host arrays, written by process 0 alone and read by each process on its own:
+                # no cross-process barriers, which would wait for processes that never save.
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    primary_host=jax.process_index(), active_processes={jax.process_index()}
+                ),
             ),
         )
 
@@ -91,8 +99,10 @@ class Checkpoints:
                 f"Expected a checkpoint in {self.directory}; found none. Fix: check the path, "
                 "or save one first."
             )
-        restored = self._manager.restore(step, args=ocp.args.StandardRestore(like))
-        return dict(restored)
+        # Restore what is on disk, then keep the keys asked for: a model alone can be restored
+        # from a checkpoint that also holds the optimizer.
+        restored = dict(self._manager.restore(step, args=ocp.args.StandardRestore()))
+        return {k: np.asarray(v) for k, v in restored.items() if k in like}
 
     def close(self) -> None:
         self._manager.close()

@@ -282,7 +282,9 @@ class DistributedDataset:
         if skip:
             batches = itertools.islice(batches, skip, None)
         placed = map(self._place, batches)
-        if not self._options.experimental_fetch_to_device:
+        if not self._options.experimental_fetch_to_device or self._processes > 1:
+            # Across processes, placing from a second thread can reorder work between the
+            # processes' device threads and stall a collective; place on the calling thread.
             return placed
         return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
 

@@ -8,9 +8,10 @@ arrays back. Tracing, graph surgery and validation of the program happen once pe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -256,11 +257,12 @@ class Runner:
         split: list[jax.Array],
         rep: list[Any],
     ) -> Any:
-        new_state, outs, token = program.call(state, split, rep)
-        for variable, value in zip(guard.unique, new_state, strict=True):
-            _write(variable, value)
-        guard.written = new_state
-        self._bound_dispatch(token)
+        with peer_failures():
+            new_state, outs, token = program.call(state, split, rep)
+            for variable, value in zip(guard.unique, new_state, strict=True):
+                _write(variable, value)
+            guard.written = new_state
+            self._bound_dispatch(token)
         n = self._n
         return jax.tree.unflatten(
             program.out_treedef,
@@ -381,6 +383,36 @@ class Runner:
             count,
             self._n,
         )
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another worker process died or stalled."""
+
+
+def _collective_failure(error: BaseException) -> bool:
+    text = str(error)
+    return any(
+        marker in text
+        for marker in ("Gloo", "gloo", "Connection reset", "collective", "DEADLINE_EXCEEDED")
+    )
+
+
+@contextlib.contextmanager
+def peer_failures() -> Iterator[None]:
+    """Turn a failed cross-process collective into a `PeerFailureError` that says why."""
+    try:
+        yield
+    except Exception as error:
+        if jax.process_count() > 1 and _collective_failure(error):
+            raise PeerFailureError(
+                "A collective between the worker processes failed: a peer process most likely "
+                "died or stalled (its connection was reset, or the collective timed out). This "
+                "process cannot continue.\n"
+                "Fix: check the other workers' logs for the first error; restart the job "
+                "(BackupAndRestore resumes it). The timeout is XLA's "
+                "--xla_cpu_collective_timeout_seconds (set in XLA_FLAGS before start)."
+            ) from error
+        raise
 
 
 class ReplicaDivergenceError(ValueError):

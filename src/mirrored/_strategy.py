@@ -14,7 +14,7 @@ import numpy as np
 
 from mirrored import _context, _input, _mesh
 from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
-from mirrored._run import Runner
+from mirrored._run import Runner, peer_failures
 from mirrored._values import PerReplica, ReduceOp, ValueContext
 
 logger = logging.getLogger("mirrored")
@@ -41,6 +41,15 @@ def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
     x = jnp.moveaxis(x, 0, axis)
     shape = x.shape
     return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array as NumPy on this host, gathering other processes' shards when needed."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _is_per_replica(x: Any) -> bool:
@@ -184,6 +193,10 @@ class Strategy:
         op = ReduceOp.parse(reduce_op)
 
         def one(v: Any) -> jax.Array:
+            with peer_failures():
+                return reduce_one(v)
+
+        def reduce_one(v: Any) -> jax.Array:
             stacked = self._stacked(v)
             if axis is None:
                 return _reduce_stacked(stacked, op, None)
@@ -203,7 +216,7 @@ class Strategy:
         def one(v: Any) -> jax.Array:
             if isinstance(v, PerReplica) and not v.stacked and axis == 0:
                 if v._mask is not None:  # a padded batch: only its real rows
-                    return v.global_value[np.asarray(v._mask)]
+                    return jnp.asarray(to_host(v.global_value)[to_host(v._mask)])
                 return v.global_value
             stacked = self._stacked(v)
             rank = stacked.ndim - 1

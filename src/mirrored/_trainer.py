@@ -17,7 +17,8 @@ from mirrored import _checkpoint, _context, _objectives
 from mirrored._input import DistributedDataset
 from mirrored._losses import compute_average_loss
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
-from mirrored._strategy import Strategy, get_strategy
+from mirrored._run import peer_failures
+from mirrored._strategy import Strategy, get_strategy, to_host
 from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
 
 logger = logging.getLogger("mirrored")
@@ -40,9 +41,7 @@ def _make_steps(
         local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in metrics]
         return totals + jnp.stack([*local, jnp.sum(weight)])
 
-    def train_step(
-        model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None
-    ) -> Any:
+    def train_step(model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         def loss_of(model: Any) -> Any:
             y_pred = _float32(model(x))  # losses in float32 whatever the compute dtype
             per_example = loss_fn(y, y_pred)
@@ -268,7 +267,8 @@ class Trainer:
         return self.strategy.experimental_distribute_values_from_function(row)
 
     def _sums(self, totals: Any) -> np.ndarray:
-        return np.asarray(self.strategy.reduce("SUM", totals), np.float64)
+        with peer_failures():  # the first read after a worker died surfaces here
+            return np.asarray(self.strategy.reduce("SUM", totals), np.float64)
 
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
         *sums, count = self._sums(totals)
@@ -461,10 +461,10 @@ class Trainer:
             masks.append(first.mask.global_value if first.mask is not None else None)
         rows = []
         for out, mask in zip(outputs, masks, strict=True):
-            keep = None if mask is None else np.asarray(mask)
+            keep = None if mask is None else to_host(mask)
             rows.append(
                 jax.tree.map(
-                    lambda a, keep=keep: np.asarray(a)[keep] if keep is not None else np.asarray(a),
+                    lambda a, keep=keep: to_host(a)[keep] if keep is not None else to_host(a),
                     out,
                 )
             )

@@ -141,6 +141,36 @@ def bench(
         plot_report(report, plot)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def launch(
+    ctx: typer.Context,
+    num_processes: int = typer.Option(..., "-n", "--num-processes", min=1, help="Workers."),
+    devices_per_process: int | None = typer.Option(
+        None, "--devices-per-process", min=1, help="Simulated CPU devices in each worker."
+    ),
+    grace: float = typer.Option(5.0, help="Seconds between SIGTERM and SIGKILL on failure."),
+) -> None:
+    """Run SCRIPT [ARGS] as N local workers of a MultiWorkerMirroredStrategy job."""
+    import sys
+
+    from mirrored._launch import launch as run_workers
+
+    if not ctx.args:
+        typer.echo("error: expected a script: mirrored launch -n 2 train.py [args]", err=True)
+        raise typer.Exit(2)
+    script, *rest = ctx.args
+    command = [sys.executable, script, *rest] if script.endswith(".py") else [script, *rest]
+    code = run_workers(
+        command,
+        num_processes=num_processes,
+        devices_per_process=devices_per_process,
+        grace_s=grace,
+    )
+    raise typer.Exit(code)
+
+
 @app.command()
 def version() -> None:
     """Print the versions of mirrored and its stack."""

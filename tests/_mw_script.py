@@ -1,0 +1,109 @@
+"""A worker of a multi-worker job, started by test_multiworker through `mirrored launch`.
+
+    python _mw_script.py OUT_DIR [--kill-rank R --kill-at STEP] [--backup DIR]
+
+Trains the same model twice — a strategy.run loop, then Trainer.fit — and the chief writes the
+parameters (and a checkpoint) to OUT_DIR. Every worker writes its pid to OUT_DIR/pid.RANK.
+"""
+
+import argparse
+import os
+import signal
+
+import mirrored
+
+strategy = mirrored.MultiWorkerMirroredStrategy()  # first: starts jax.distributed
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from _helpers import SmallMLP, global_batches, train_step  # noqa: E402
+
+
+class KillAt(mirrored.callbacks.Callback):
+    def __init__(self, step):
+        self.step, self.done = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flat(model):
+    return {
+        "/".join(map(str, p)): np.asarray(v.get_value())
+        for p, v in nnx.to_flat_state(nnx.state(model))
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--backup", default="")
+    parser.add_argument("--die-rank", type=int, default=-1)
+    args = parser.parse_args()
+    rank = jax.process_index()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    print(
+        f"replicas {strategy.num_replicas_in_sync} processes {jax.process_count()} "
+        f"chief {strategy.is_chief}",
+        flush=True,
+    )
+
+    # 1. A strategy.run loop, SGD, five global batches.
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    for step, (x, y) in enumerate(strategy.experimental_distribute_dataset(global_batches(5, 64))):
+        if step == 2 and rank == args.die_rank:
+            os._exit(3)  # a dead peer: the survivors must raise, not hang
+        try:
+            loss = strategy.run(train_step, args=(model, optimizer, x, y))
+        except mirrored.PeerFailureError as error:
+            print(f"PeerFailureError: {error}", flush=True)
+            os._exit(4)
+    try:
+        total = float(strategy.reduce("SUM", loss))
+    except mirrored.PeerFailureError as error:
+        print(f"PeerFailureError: {error}", flush=True)
+        os._exit(4)
+    loop = flat(model)
+
+    # 2. Trainer.fit with a ragged last batch, a checkpoint, optionally a backup and a crash.
+    x = np.concatenate([b[0] for b in global_batches(4, 50, seed=1)])
+    y = np.concatenate([b[1] for b in global_batches(4, 50, seed=1)])
+    with strategy.scope():
+        fitted = SmallMLP(rngs=nnx.Rngs(0))
+        trainer = mirrored.Trainer(
+            fitted,
+            optax.sgd(0.5),
+            "sparse_categorical_crossentropy",
+            ["accuracy"],
+            from_logits=True,
+        )
+    callbacks = [mirrored.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt"), monitor="loss")]
+    if args.backup:
+        callbacks.append(mirrored.callbacks.BackupAndRestore(args.backup, save_freq=2))
+    if rank == args.kill_rank:
+        callbacks.append(KillAt(args.kill_at))
+    history = trainer.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=1)
+    predictions = trainer.predict(x[:37], batch_size=16)  # every process: it runs steps
+    if strategy.is_chief:
+        arrays = {f"loop/{k}": v for k, v in loop.items()}
+        arrays.update({f"fit/{k}": v for k, v in flat(fitted).items()})
+        arrays["loop_loss"] = np.asarray(total)
+        arrays["fit_loss"] = np.asarray(history.history["loss"][-1])
+        arrays["predict"] = predictions
+        np.savez(os.path.join(args.out, "result.npz"), **arrays)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

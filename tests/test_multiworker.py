@@ -1,0 +1,262 @@
+"""MultiWorkerMirroredStrategy: cluster resolvers, and real worker processes on 127.0.0.1."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mirrored
+from mirrored._multiworker import first_slurm_host, resolve_cluster
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- resolvers (given environments) ----------------------------------------------------------------
+
+
+def test_tf_config_workers_and_chief():
+    config = {
+        "cluster": {"chief": ["c:1000"], "worker": ["w0:1001", "w1:1002"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    resolver = mirrored.TFConfigClusterResolver(json.dumps(config))
+    assert resolver.coordinator_address == "c:1000"  # the chief coordinates
+    assert (resolver.num_processes, resolver.process_id) == (3, 2)
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    plain = mirrored.TFConfigClusterResolver(
+        {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 0}}
+    )
+    assert (plain.coordinator_address, plain.process_id, plain.num_processes) == ("a:1", 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ('{"cluster": {"worker": ["a:1"]}', "malformed JSON"),
+        ('{"cluster": {"worker": ["a:1"]}}', "found task=None"),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}', "index 3 but"),
+        ('{"cluster": {}, "task": {"type": "worker", "index": 0}}', "no cluster.worker"),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}}', "type 'ps'"),
+        ("", "no TF_CONFIG"),
+    ],
+)
+def test_bad_tf_config(config, match, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", config)
+    with pytest.raises(ValueError, match=match):
+        mirrored.TFConfigClusterResolver()
+
+
+def test_slurm():
+    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "gpu[003-004,009]"}
+    resolver = mirrored.SlurmClusterResolver(port=5555, environ=env)
+    assert resolver.coordinator_address == "gpu003:5555"
+    assert (resolver.num_processes, resolver.process_id) == (4, 2)
+    assert first_slurm_host("node7,node8") == "node7"
+    with pytest.raises(ValueError, match="srun"):
+        mirrored.SlurmClusterResolver(environ={"SLURM_NTASKS": "2"})
+    with pytest.raises(ValueError, match="process_id < num_processes"):
+        mirrored.SlurmClusterResolver(environ={**env, "SLURM_PROCID": "4"})
+
+
+def test_resolution_order():
+    launcher = {
+        "MIRRORED_COORDINATOR_ADDRESS": "127.0.0.1:9",
+        "MIRRORED_NUM_PROCESSES": "2",
+        "MIRRORED_PROCESS_ID": "1",
+        "MIRRORED_LOCAL_DEVICES": "2",
+        "TF_CONFIG": "{}",
+    }
+    resolver = resolve_cluster(launcher)
+    assert isinstance(resolver, mirrored.EnvironmentClusterResolver)
+    assert resolver.local_devices == 2 and resolver.process_id == 1
+    tf = '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}'
+    assert isinstance(resolve_cluster({"TF_CONFIG": tf}), mirrored.TFConfigClusterResolver)
+    assert resolve_cluster({}) is None
+    with pytest.raises(ValueError, match="mirrored launch"):
+        mirrored.EnvironmentClusterResolver({"MIRRORED_NUM_PROCESSES": "2"})
+
+
+def test_single_process_strategy(devices):
+    strategy = mirrored.MultiWorkerMirroredStrategy()  # no cluster: this process alone
+    assert strategy.num_replicas_in_sync == 8 and strategy.is_chief
+    assert strategy.cluster_resolver.num_processes == 1
+
+
+# -- real processes ---------------------------------------------------------------------------
+
+
+def launch(out, n, k, *extra, timeout=240):
+    env = {k_: v for k_, v in os.environ.items() if k_ not in ("XLA_FLAGS", "NPROC")}
+    command = [
+        "timeout",
+        "-k",
+        "10",
+        str(timeout),
+        sys.executable,
+        "-m",
+        "mirrored.cli",
+        "launch",
+        "-n",
+        str(n),
+        "--devices-per-process",
+        str(k),
+        "--grace",
+        "3",
+        str(HERE / "_mw_script.py"),
+        str(out),
+        *extra,
+    ]
+    start = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=env, check=False)
+    return result, time.monotonic() - start
+
+
+def results(path):
+    return dict(np.load(path / "result.npz"))
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices):
+    two, _ = launch(tmp_path / "two", 2, 2)
+    assert two.returncode == 0, two.stdout[-3000:]
+    assert "[rank 1] replicas 4 processes 2 chief False" in two.stdout
+    one, _ = launch(tmp_path / "one", 1, 4)
+    assert one.returncode == 0, one.stdout[-3000:]
+    a, b = results(tmp_path / "two"), results(tmp_path / "one")
+    assert set(a) == set(b)
+    for name in a:
+        scale = max(float(np.max(np.abs(b[name]))), 1e-12)
+        assert float(np.max(np.abs(a[name] - b[name]))) / scale <= 1e-5, name
+    assert a["predict"].shape == (37, 5)
+
+    # The checkpoint the 2-process job wrote restores in this single process.
+    from flax import nnx
+
+    from _helpers import SmallMLP, params_of
+
+    strategy = mirrored.MirroredStrategy(devices[:1])
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(1))
+    mirrored.restore_checkpoint(tmp_path / "two" / "ckpt", model)
+    for name, value in params_of(model).items():
+        np.testing.assert_allclose(value, a[f"fit/{name}"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path):
+    clean, _ = launch(tmp_path / "clean", 2, 1, "--backup", str(tmp_path / "clean_backup"))
+    assert clean.returncode == 0, clean.stdout[-3000:]
+
+    killed, seconds = launch(
+        tmp_path / "run",
+        2,
+        1,
+        "--backup",
+        str(tmp_path / "backup"),
+        "--kill-rank",
+        "1",
+        "--kill-at",
+        "9",
+    )
+    assert killed.returncode != 0 and seconds < 30 + 10, (killed.returncode, seconds)
+    for pid_file in (tmp_path / "run").glob("pid.*"):
+        pid = int(pid_file.read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # nothing of the job is left running
+    assert any((tmp_path / "backup").iterdir())
+
+    resumed, _ = launch(tmp_path / "run", 2, 1, "--backup", str(tmp_path / "backup"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    a, b = results(tmp_path / "run"), results(tmp_path / "clean")
+    for name in a:
+        if name.startswith("fit/"):
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
+    """Without the launcher: the survivor itself must turn the loss of its peer into an error."""
+    from mirrored._launch import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env.update(
+        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        MIRRORED_NUM_PROCESSES="2",
+        MIRRORED_LOCAL_DEVICES="1",
+        PYTHONUNBUFFERED="1",
+    )
+    command = [
+        "timeout",
+        "-k",
+        "5",
+        "90",
+        sys.executable,
+        str(HERE / "_mw_script.py"),
+        str(tmp_path),
+        "--die-rank",
+        "1",
+    ]
+    start = time.monotonic()
+    workers = [
+        subprocess.Popen(
+            command,
+            env={**env, "MIRRORED_PROCESS_ID": str(rank)},
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    survivor, _ = (w.communicate(timeout=120)[0] for w in workers)
+    assert workers[1].returncode == 3
+    assert workers[0].returncode == 4, survivor[-2000:]
+    assert "PeerFailureError" in survivor and "peer process most likely died" in survivor
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_multi_worker_example_through_the_launcher():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    result = subprocess.run(
+        [
+            "timeout",
+            "-k",
+            "10",
+            "240",
+            sys.executable,
+            "-m",
+            "mirrored.cli",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "2",
+            str(HERE.parent / "examples" / "multi_worker.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[rank 0] workers: 2, replicas: 4" in result.stdout
+    accuracy = float(result.stdout.split("[rank 0] test accuracy: ")[1].split()[0])
+    assert accuracy > 0.9
+    assert "[rank 1] test accuracy" not in result.stdout  # only the chief prints
+
+
+def test_launch_needs_a_script():
+    result = subprocess.run(
+        [sys.executable, "-m", "mirrored.cli", "launch", "-n", "2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2 and "expected a script" in result.stderr
