@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mirrored._bench import MLP as MLP  # one definition of the models, re-exported
 from mirrored._bench import MODELS as MODELS
+from mirrored._bench import train_step as train_step
 
 
 def synthetic_batches(batch: int, count: int = 4, seed: int = 0) -> list[tuple[np.ndarray, ...]]:

@@ -32,7 +32,7 @@ def main() -> None:
     import jax
     import numpy as np
     import optax
-    from _models import MLP, MODELS, plain_jax_step, synthetic_batches
+    from _models import MLP, MODELS, plain_jax_step, synthetic_batches, train_step
     from flax import nnx
 
     results = []
@@ -68,15 +68,6 @@ def main() -> None:
                 )
             placed = list(strategy.experimental_distribute_dataset(host[:8]))
             placed_epoch = [placed[i % len(placed)] for i in range(steps)]
-
-            def train_step(model, optimizer, x, y):
-                def loss_fn(model):
-                    per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-                    return mirrored.compute_average_loss(per_example)
-
-                loss, grads = nnx.value_and_grad(loss_fn)(model)
-                optimizer.update(model, grads)
-                return loss
 
             def run_loop(strategy=strategy, trainer=trainer, placed=placed_epoch) -> float:
                 start = time.perf_counter()

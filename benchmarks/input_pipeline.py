@@ -33,7 +33,7 @@ def main() -> None:
     import grain
     import jax
     import optax
-    from _models import MLP, timed
+    from _models import MLP, timed, train_step
     from flax import nnx
 
     rng = np.random.default_rng(0)
@@ -76,14 +76,6 @@ def main() -> None:
     print(json.dumps(results), file=sys.stderr, flush=True)
 
     # Training fed by the fast path vs by batches already on the devices.
-    def train_step(model, optimizer, x, y):
-        def loss_fn(model):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-            return mirrored.compute_average_loss(per_example)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
 
     training = []
     for n in sorted({1, args.devices}):

@@ -28,7 +28,7 @@ def main() -> None:
 
     import jax
     import optax
-    from _models import MLP, MODELS, plain_jax_step, synthetic_batches, timed
+    from _models import MLP, MODELS, plain_jax_step, synthetic_batches, timed, train_step
     from flax import nnx
 
     results = []
@@ -61,15 +61,6 @@ def main() -> None:
                 model = MLP(hidden, rngs=nnx.Rngs(0))
                 optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
             dist = list(strategy.experimental_distribute_dataset(host_batches))
-
-            def train_step(model, optimizer, x, y):
-                def loss_fn(model):
-                    per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-                    return mirrored.compute_average_loss(per_example)
-
-                loss, grads = nnx.value_and_grad(loss_fn)(model)
-                optimizer.update(model, grads)
-                return loss
 
             def run_mirrored(
                 k: int,
