@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 
 import mirrored
+from mirrored._demo import train_step  # the README's step works for any classifier
 
 
 class MLP(nnx.Module):
@@ -29,16 +30,6 @@ class MLP(nnx.Module):
 
 
 MODELS = {"seed_mlp": ((128,), 256), "wide_mlp": ((2048, 2048), 512)}
-
-
-def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Any:
-    def loss_fn(model: MLP) -> jax.Array:
-        per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-        return mirrored.compute_average_loss(per_example)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
 
 
 def _rate(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) -> float:

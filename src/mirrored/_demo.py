@@ -41,8 +41,8 @@ def load_digits_split(seed: int = 0) -> tuple[np.ndarray, ...]:
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-def train_step(model: DigitsMLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Any:
-    def loss_fn(model: DigitsMLP) -> jax.Array:
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Any:
+    def loss_fn(model: nnx.Module) -> jax.Array:
         per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
         return mirrored.compute_average_loss(per_example)  # ÷ GLOBAL batch size
 

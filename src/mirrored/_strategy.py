@@ -15,7 +15,7 @@ import numpy as np
 from mirrored import _context, _input, _mesh
 from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._run import Runner, peer_failures
-from mirrored._values import PerReplica, ReduceOp, ValueContext
+from mirrored._values import PerReplica, ReduceOp, ValueContext, is_per_replica
 
 logger = logging.getLogger("mirrored")
 
@@ -50,10 +50,6 @@ def to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _is_per_replica(x: Any) -> bool:
-    return isinstance(x, PerReplica)
 
 
 class Extended:
@@ -208,7 +204,7 @@ class Strategy:
                 )
             return _reduce_stacked(stacked, op, axis % rank)
 
-        return jax.tree.map(one, value, is_leaf=_is_per_replica)
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's value along `axis`, in replica order."""
@@ -227,11 +223,11 @@ class Strategy:
                 )
             return _concat_stacked(stacked, axis % rank)
 
-        return jax.tree.map(one, value, is_leaf=_is_per_replica)
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This process's replicas' values, one entry per replica, each on its own device."""
-        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_per_replica)
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         n = sum(1 for d in self._extended.worker_devices if d.process_index == jax.process_index())
         columns = [_local_values(leaf, n) for leaf in leaves]
         return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))

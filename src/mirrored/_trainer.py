@@ -19,6 +19,7 @@ from mirrored._losses import compute_average_loss
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._run import peer_failures
 from mirrored._strategy import Strategy, get_strategy, to_host
+from mirrored._values import PerReplica, is_per_replica
 from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
 
 logger = logging.getLogger("mirrored")
@@ -111,19 +112,11 @@ def _is_arrays(x: Any) -> bool:
 
 def _placed_batches(x: Any) -> bool:
     """A list of batches already distributed (their leaves are PerReplica values)."""
-    from mirrored._values import PerReplica
-
     return (
         isinstance(x, list)
         and bool(x)
-        and all(isinstance(v, PerReplica) for v in jax.tree.leaves(x[0], is_leaf=_is_pr))
+        and all(isinstance(v, PerReplica) for v in jax.tree.leaves(x[0], is_leaf=is_per_replica))
     )
-
-
-def _is_pr(v: Any) -> bool:
-    from mirrored._values import PerReplica
-
-    return isinstance(v, PerReplica)
 
 
 class _Placed:
@@ -508,4 +501,4 @@ def _build_optimizer(
 
 
 def _has_per_replica(value: Any) -> bool:
-    return any(_is_pr(v) for v in jax.tree.leaves(value, is_leaf=_is_pr))
+    return any(is_per_replica(v) for v in jax.tree.leaves(value, is_leaf=is_per_replica))

@@ -143,6 +143,11 @@ class PerReplica:
         raise self._refuse("Using in a JAX computation outside strategy.run")
 
 
+def is_per_replica(x: Any) -> bool:
+    """A pytree `is_leaf` that stops at PerReplica values."""
+    return isinstance(x, PerReplica)
+
+
 class ValueContext:
     """What `experimental_distribute_values_from_function` tells `value_fn` about its replica."""
 

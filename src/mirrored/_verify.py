@@ -21,9 +21,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mirrored._capture import is_state
 from mirrored._devices import device_name
 from mirrored._run import ReplicaDivergenceError
-from mirrored._values import PerReplica
+from mirrored._values import PerReplica, is_per_replica
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 
@@ -369,13 +370,9 @@ def check_input(
 # -- verify: the checks on a real step -----------------------------------------------------------
 
 
-def _is_state(x: Any) -> bool:
-    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
-
-
 def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) -> list[Any]:
     """Fresh copies of the NNX objects in `args`, their arrays placed by `place`."""
-    positions = [i for i, a in enumerate(args) if _is_state(a)]
+    positions = [i for i, a in enumerate(args) if is_state(a)]
     graphdef, state = nnx.split(tuple(args[i] for i in positions))
     state = jax.tree.map(lambda a: place(np.asarray(a)), state)
     copies = list(args)
@@ -424,14 +421,14 @@ def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
 def _mirrored_arrays(args: Sequence[Any]) -> dict[str, jax.Array]:
     out = {}
     for i, arg in enumerate(args):
-        if _is_state(arg):
+        if is_state(arg):
             for path, var in nnx.to_flat_state(nnx.state(arg)):
                 out[f"args[{i}]." + ".".join(map(str, path))] = var.get_value()
     return out
 
 
 def _global_batch(args: Sequence[Any]) -> int | None:
-    for leaf in jax.tree.leaves(list(args), is_leaf=lambda x: isinstance(x, PerReplica)):
+    for leaf in jax.tree.leaves(list(args), is_leaf=is_per_replica):
         if isinstance(leaf, PerReplica) and not leaf.stacked:
             return int(leaf.global_value.shape[0])
     return None
@@ -468,7 +465,7 @@ def verify(
     unmirrored = None
     try:
         for i, arg in enumerate(args):
-            if _is_state(arg):
+            if is_state(arg):
                 strategy._runner.check_mirrored(arg, f"args[{i}]")
     except ValueError as error:
         unmirrored = str(error)
