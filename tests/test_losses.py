@@ -54,9 +54,21 @@ def test_scalar_loss_is_refused():
     assert "without .mean()" in str(info.value)
 
 
-@pytest.mark.parametrize("bad", [0, -4, True])
-def test_bad_global_batch_size(bad):
-    with pytest.raises(ValueError, match="positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (0, ValueError, "must be positive"),
+        (-4, ValueError, "must be positive"),
+        (True, TypeError, "must be an integer"),
+        (4.0, TypeError, "must be an integer"),
+        (np.float32(4), TypeError, "must be an integer"),
+        (np.array([4, 4]), ValueError, "must be scalar"),
+    ],
+)
+def test_bad_global_batch_size(bad, error, message):
+    # TensorFlow's checks on global_batch_size (nn_impl.compute_average_loss): integer, scalar,
+    # positive; a float is a TypeError there too.
+    with pytest.raises(error, match=message):
         mirrored.compute_average_loss(jnp.ones(3), global_batch_size=bad)
 
 

@@ -97,11 +97,30 @@ class ReplicaContext:
         in_spmd: bool,
         example_mask: Any = None,
         example_count: Any = None,
+        batch_is_split: bool = False,
     ) -> None:
         self._strategy = strategy
         self._in_spmd = in_spmd
         self._example_mask = example_mask
         self._example_count = example_count
+        self._batch_is_split = batch_is_split
+        # Whether the step scaled a loss for the sum over replicas, or combined replicas
+        # itself; `run` warns about the N× trap when it trains parameters without either.
+        self.replica_aware = False
+
+    @property
+    def in_spmd(self) -> bool:
+        """True while `strategy.run` traces the step (False for the default strategy)."""
+        return self._in_spmd
+
+    @property
+    def batch_is_split(self) -> bool:
+        """Whether `run` was given a distributed batch (each replica sees its own shard)."""
+        return self._batch_is_split
+
+    def mark_replica_aware(self) -> None:
+        """Note that the step scaled a loss for the sum over replicas (compute_average_loss)."""
+        self.replica_aware = True
 
     @property
     def example_mask(self) -> Any:
@@ -140,6 +159,7 @@ class ReplicaContext:
         op = ReduceOp.parse(reduce_op)
         if not self._in_spmd:
             return value
+        self.replica_aware = True  # the step combines replicas itself
         reduce = {
             ReduceOp.SUM: jax.lax.psum,
             ReduceOp.MEAN: jax.lax.pmean,

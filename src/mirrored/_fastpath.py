@@ -26,6 +26,11 @@ from mirrored._leaves import is_leaf, type_kind
 _MISSING = object()
 
 
+def same_static(a: Any, b: Any) -> bool:
+    """Static arguments select a program by type and value: `True` is not `1`."""
+    return type(a) is type(b) and bool(a == b)
+
+
 def _nnx_objects(roots: Sequence[Any]) -> list[Any]:
     """Every NNX object (not Variable) reachable from `roots`, through plain containers too."""
     found, seen, stack = [], set(), list(roots)
@@ -183,7 +188,7 @@ class Guard:
                 if found != "c":
                     return None
                 rep.append(leaf)
-            elif found != "x" or leaf != next(statics):
+            elif found != "x" or not same_static(leaf, next(statics)):
                 return None
         if (mask is not None) != self.masked:
             return None

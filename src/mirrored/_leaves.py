@@ -13,7 +13,9 @@ from mirrored._values import PerReplica
 
 # isinstance against nnx.Variable goes through a metaclass hook, and these checks run for every
 # leaf of every step: remember each type's coarse kind. "v" variable, "g" other NNX object,
-# "p" PerReplica, "a" jax.Array, "c" host constant, "x" anything else.
+# "p" PerReplica, "a" jax.Array, "c" host constant (NumPy, Python float), "x" anything else:
+# static, part of the compiled program (Python bool, int, str, ...: `if training:` and
+# `x[:k]` work inside the step, as they do in TensorFlow's `strategy.run`).
 _TYPE_KINDS: dict[type, str] = {}
 
 
@@ -28,8 +30,10 @@ def type_kind(kind: type) -> str:
             known = "p"
         elif issubclass(kind, jax.Array):
             known = "a"
-        elif issubclass(kind, np.ndarray | np.generic | numbers.Number):
+        elif issubclass(kind, np.ndarray | np.generic | float | complex):
             known = "c"
+        elif issubclass(kind, numbers.Number):
+            known = "x"
         else:
             known = "x"
         _TYPE_KINDS[kind] = known

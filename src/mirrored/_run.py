@@ -85,6 +85,9 @@ class _Program:
     call: Callable[..., Any]
     out_treedef: Any
     out_stacked: tuple[bool, ...]
+    # Outputs computed per example of a padded batch (leading axis = the replica's rows): they
+    # carry the batch's mask, so reductions and gathers count real examples only.
+    out_masked: tuple[bool, ...] = ()
 
 
 class Runner:
@@ -233,7 +236,8 @@ class Runner:
                 sorted_.slots[id(x)] for x, k in zip(leaves, signature, strict=True) if k == "v"
             )
         masked = sorted_.mask is not None
-        key = (fn, treedef, signature, tuple(sorted_.statics), sharing, masked)
+        statics = tuple((type(x), x) for x in sorted_.statics)  # True and 1 differ
+        key = (fn, treedef, signature, statics, sharing, masked)
         program = self._programs.get(key)
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
@@ -264,11 +268,26 @@ class Runner:
             guard.written = new_state
             self._bound_dispatch(token)
         n = self._n
+        if not any(program.out_masked):
+            return jax.tree.unflatten(
+                program.out_treedef,
+                [
+                    PerReplica(x, num_replicas=n, stacked=True) if stacked else x
+                    for x, stacked in zip(outs, program.out_stacked, strict=True)
+                ],
+            )
+        mask, count = split[-1], rep[-1]  # a masked program takes them last
         return jax.tree.unflatten(
             program.out_treedef,
             [
-                PerReplica(x, num_replicas=n, stacked=True) if stacked else x
-                for x, stacked in zip(outs, program.out_stacked, strict=True)
+                x
+                if not stacked
+                else PerReplica(x, num_replicas=n, stacked=True, mask=mask, count=count)
+                if masked
+                else PerReplica(x, num_replicas=n, stacked=True)
+                for x, stacked, masked in zip(
+                    outs, program.out_stacked, program.out_masked, strict=True
+                )
             ],
         )
 
@@ -326,11 +345,14 @@ class Runner:
                 else:
                     rebuilt.append(payload)
             call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
-            token = _context.enter_replica(
-                _context.ReplicaContext(
-                    self._strategy, in_spmd=True, example_mask=mask, example_count=count
-                )
+            ctx = _context.ReplicaContext(
+                self._strategy,
+                in_spmd=True,
+                example_mask=mask,
+                example_count=count,
+                batch_is_split=_SPLIT in kinds,
             )
+            token = _context.enter_replica(ctx)
             try:
                 out = fn(*call_args, **call_kwargs)
             finally:
@@ -339,10 +361,17 @@ class Runner:
             for variable, value in zip(unique, new_state, strict=True):
                 if _context.is_varying(value):
                     raise _diverged_error(fn_name, args, kwargs, variable)
+            if expand is None:  # the first of the two traces
+                _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, self._n)
             out_leaves, out_treedef = jax.tree.flatten(out)
             out_leaves = [jnp.asarray(x) for x in out_leaves]
             varying = tuple(_context.is_varying(x) for x in out_leaves)
-            recorded["out"] = (out_treedef, varying)
+            rows = None if mask is None else mask.shape[0]
+            per_example = tuple(
+                v and x.ndim >= 1 and x.shape[0] == rows
+                for x, v in zip(out_leaves, varying, strict=True)
+            )
+            recorded["out"] = (out_treedef, varying, per_example)
             # The first trace has no layout yet: give every output a replica axis.
             expand = (True,) * len(out_leaves) if expand is None else expand
             outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
@@ -361,12 +390,14 @@ class Runner:
         split, rep = sorted_.with_mask()
         # First trace: learn which outputs differ between replicas, to choose their specs.
         jax.eval_shape(program(None, SPLIT), state, split, rep)
-        out_treedef, varying = recorded["out"]
+        out_treedef, varying, per_example = recorded["out"]
         out_specs = [SPLIT if v else REPLICATED for v in varying]
         call = jax.jit(program(varying, out_specs), donate_argnums=0)
         if not self._logged:
             self._log_first_program(fn_name, call, state, split, rep)
-        return _Program(call=call, out_treedef=out_treedef, out_stacked=varying)
+        return _Program(
+            call=call, out_treedef=out_treedef, out_stacked=varying, out_masked=per_example
+        )
 
     def _log_first_program(self, fn_name: str, call: Any, *inputs: Any) -> None:
         self._logged = True
@@ -383,6 +414,50 @@ class Runner:
             count,
             self._n,
         )
+
+
+loss_logger = logging.getLogger("mirrored.loss")
+
+
+def _warn_per_replica_mean(
+    fn_name: str,
+    ctx: _context.ReplicaContext,
+    variables: list[Any],
+    before: list[Any],
+    after: list[Any],
+    kinds: str,
+    n: int,
+) -> None:
+    """Name the N× trap where it happens: parameters trained from a per-replica mean loss.
+
+    Gradients of mirrored parameters are summed over replicas. A loss averaged over this
+    replica's shard (`jnp.mean`) instead of divided by the global batch trains with N× the
+    gradient, in TensorFlow too. The step is suspect when it updated parameters from
+    replica-varying inputs and never scaled a loss for the sum (compute_average_loss).
+    """
+    if n == 1 or ctx.replica_aware or not (_SPLIT in kinds or _STACKED in kinds):
+        return
+    trained = [
+        v
+        for v, old, new in zip(variables, before, after, strict=True)
+        if isinstance(v, nnx.Param) and new is not old
+    ]
+    if not trained:
+        return
+    loss_logger.warning(
+        "%r updates mirrored parameters from a loss that mirrored.compute_average_loss did not "
+        "scale. Gradients of mirrored parameters are SUMMED over the %d replicas, so a loss "
+        "averaged over each replica's shard (jnp.mean, optax...(...).mean()) trains with %d× "
+        "the gradient of the global batch (%d× the learning rate).\n"
+        "  Right:  loss = mirrored.compute_average_loss(per_example_loss)\n"
+        "  or:     loss = jnp.sum(per_example_loss) / GLOBAL_BATCH_SIZE\n"
+        "If the step already divides by the global batch size, silence this check with "
+        "logging.getLogger('mirrored.loss').setLevel(logging.ERROR).",
+        fn_name,
+        n,
+        n,
+        n,
+    )
 
 
 class PeerFailureError(RuntimeError):

@@ -36,6 +36,28 @@ def _reduce_stacked(x: jax.Array, op: ReduceOp, axis: int | None) -> jax.Array:
     return reducer(x, axis=axes)
 
 
+@functools.partial(jax.jit, static_argnames=("op",))
+def _reduce_masked_rows(x: jax.Array, mask: jax.Array, op: ReduceOp) -> jax.Array:
+    # x: (replicas, rows, ...) of a padded batch; mask: the batch's (replicas * rows,) mask.
+    # Reduce over replicas and rows, counting real rows only, as TensorFlow does on the
+    # unpadded, unevenly split batch.
+    where = mask.reshape(x.shape[:2] + (1,) * (x.ndim - 2))
+    axes = (0, 1)
+    if op is ReduceOp.SUM:
+        return jnp.sum(x, axis=axes, where=where)
+    if op is ReduceOp.MEAN:
+        return jnp.mean(x, axis=axes, where=where)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        initial: Any = -jnp.inf if op is ReduceOp.MAX else jnp.inf
+    elif x.dtype == jnp.bool_:
+        initial = op is ReduceOp.MIN
+    else:
+        info = jnp.iinfo(x.dtype)
+        initial = info.min if op is ReduceOp.MAX else info.max
+    reducer = jnp.max if op is ReduceOp.MAX else jnp.min
+    return reducer(x, axis=axes, where=where, initial=initial)
+
+
 @functools.partial(jax.jit, static_argnames=("axis",))
 def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
     x = jnp.moveaxis(x, 0, axis)
@@ -50,6 +72,46 @@ def to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class StrategyMixError(RuntimeError, ValueError):
+    """Entering one strategy's scope inside another's (TensorFlow raises RuntimeError)."""
+
+
+class _Scope:
+    """What `strategy.scope()` returns: a context manager that may be entered again and again."""
+
+    __slots__ = ("_strategy", "_tokens")
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+        self._tokens: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> Strategy:
+        strategy = self._strategy
+        current = _context.entered_strategy()
+        if current is not None and current is not strategy:
+            raise StrategyMixError(
+                f"Expected to enter {strategy!r} outside any other strategy's scope; found it "
+                f"inside the scope of {current!r}. Mixing strategies would place state on two "
+                "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
+                "entering the second, or use one strategy throughout."
+            )
+        token = _context.push_scope(strategy)
+        try:
+            mesh = jax.set_mesh(strategy._mesh)  # sets the mesh now; exiting restores the last
+        except BaseException:
+            _context.pop_scope(token)
+            raise
+        self._tokens.append((token, mesh))
+        return strategy
+
+    def __exit__(self, *exc: Any) -> None:
+        token, mesh = self._tokens.pop()
+        try:
+            mesh.__exit__(*exc)
+        finally:
+            _context.pop_scope(token)
 
 
 class Extended:
@@ -104,28 +166,18 @@ class Strategy:
 
     # -- scope ------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this the current strategy; state created inside is mirrored on its devices.
+
+        The returned object may be entered more than once (`s = strategy.scope()`, then
+        `with s:` twice), as in TensorFlow. Entering another strategy's scope inside this one
+        raises `RuntimeError`.
 
         Example:
             >>> with strategy.scope():
             ...     model = MLP(rngs=nnx.Rngs(0))
         """
-        current = _context.entered_strategy()
-        if current is not None and current is not self:
-            raise ValueError(
-                f"Expected to enter {self!r} outside any other strategy's scope; found it "
-                f"inside the scope of {current!r}. Mixing strategies would place state on two "
-                "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
-                "entering the second, or use one strategy throughout."
-            )
-        token = _context.push_scope(self)
-        try:
-            with jax.set_mesh(self._mesh):
-                yield self
-        finally:
-            _context.pop_scope(token)
+        return _Scope(self)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -183,6 +235,11 @@ class Strategy:
         `axis=None` combines across replicas only. `axis=k` also reduces along axis `k` of each
         replica's value, so `MEAN` divides by the global number of elements.
 
+        A padded batch, or an output of `run` computed per example from one, carries the
+        batch's mask: `axis=0` counts its real rows only, exactly as TensorFlow counts the
+        unevenly split last batch (`[5, 6, 7]` on 2 replicas: `MEAN` is 6.0). Other axes would
+        mix padding into the result and raise while the batch is padded.
+
         Example:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
@@ -195,6 +252,7 @@ class Strategy:
         def reduce_one(v: Any) -> jax.Array:
             stacked = self._stacked(v)
             if axis is None:
+                _refuse_padded(v, "reduce", "axis=None")
                 return _reduce_stacked(stacked, op, None)
             rank = stacked.ndim - 1
             if not isinstance(axis, int) or not -rank <= axis < rank:
@@ -202,18 +260,21 @@ class Strategy:
                     f"Expected axis to be None or an int in [{-rank}, {rank}) for per-replica "
                     f"values of shape {stacked.shape[1:]}; found {axis!r}."
                 )
+            if axis % rank == 0 and _mask_of(v) is not None:
+                return _reduce_masked_rows(stacked, _mask_of(v), op)
+            _refuse_padded(v, "reduce", f"axis={axis}")
             return _reduce_stacked(stacked, op, axis % rank)
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate every replica's value along `axis`, in replica order."""
+        """Concatenate every replica's value along `axis`, in replica order.
+
+        On a padded batch (or `run`'s per-example outputs over one), `axis=0` keeps the real
+        rows only, in order: the global batch as the dataset yielded it.
+        """
 
         def one(v: Any) -> jax.Array:
-            if isinstance(v, PerReplica) and not v.stacked and axis == 0:
-                if v._mask is not None:  # a padded batch: only its real rows
-                    return jnp.asarray(to_host(v.global_value)[to_host(v._mask)])
-                return v.global_value
             stacked = self._stacked(v)
             rank = stacked.ndim - 1
             if not isinstance(axis, int) or not -rank <= axis < rank:
@@ -221,15 +282,28 @@ class Strategy:
                     f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
                     f"shape {stacked.shape[1:]}; found {axis!r}."
                 )
+            mask = _mask_of(v)
+            if axis % rank == 0:
+                split_batch = isinstance(v, PerReplica) and not v.stacked
+                rows = v.global_value if split_batch else _concat_stacked(stacked, 0)
+                if mask is None:
+                    return rows
+                return jnp.asarray(to_host(rows)[to_host(mask)])  # only the real rows
+            _refuse_padded(v, "gather", f"axis={axis}")
             return _concat_stacked(stacked, axis % rank)
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """This process's replicas' values, one entry per replica, each on its own device."""
+        """This process's replicas' values, one entry per replica, each on its own device.
+
+        A padded batch shows each replica's real rows only (as TensorFlow's unevenly split
+        last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
+        """
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         n = sum(1 for d in self._extended.worker_devices if d.process_index == jax.process_index())
-        columns = [_local_values(leaf, n) for leaf in leaves]
+        with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh
+            columns = [_local_values(leaf, n) for leaf in leaves]
         return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
 
     def experimental_distribute_values_from_function(
@@ -323,14 +397,39 @@ class Strategy:
         return _input.distribute_from_function(self, dataset_fn, options)
 
 
+def _mask_of(value: Any) -> jax.Array | None:
+    return value._mask if isinstance(value, PerReplica) else None
+
+
+def _refuse_padded(value: Any, what: str, how: str) -> None:
+    """Raise when `value` is a padded batch whose padding `what(..., how)` would count."""
+    if not isinstance(value, PerReplica) or value._mask is None or value._count is None:
+        return
+    real, rows = int(to_host(value._count)), value._mask.shape[0]
+    if real == rows:
+        return
+    raise ValueError(
+        f"strategy.{what}(..., {how}) expected a value without padding; found a padded batch "
+        f"({real} real examples in {rows} rows, per replica shape {value.shape}): the padded "
+        "rows would enter the result. In TensorFlow the replicas' values would have different "
+        f"shapes here and the {what} would fail.\nFix: {what} along the batch axis, axis=0, "
+        "which counts real examples only, or combine per-example values inside strategy.run "
+        "(mirrored.compute_average_loss, or a sum weighted by "
+        "mirrored.get_replica_context().example_mask)."
+    )
+
+
 def _local_values(value: Any, n: int) -> list[Any]:
     if not isinstance(value, PerReplica):
         return [value] * n
     array = value.global_value
     shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
-    if value.stacked:
-        return [s.data[0] for s in shards]
-    return [s.data for s in shards]
+    out = [s.data[0] for s in shards] if value.stacked else [s.data for s in shards]
+    if value._mask is None:
+        return out
+    # Padding sits at the end of each replica's rows: keep the real ones, as TensorFlow does.
+    masks = sorted(value._mask.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return [x[: int(np.asarray(m.data).sum())] for x, m in zip(out, masks, strict=True)]
 
 
 class MirroredStrategy(Strategy):
@@ -390,19 +489,29 @@ def _default_strategy() -> _DefaultStrategy:
     return _default[0]
 
 
+def _running() -> Strategy | None:
+    """The strategy whose `run` is tracing the current step, if any."""
+    ctx = _context.current_replica_context()
+    return ctx.strategy if ctx is not None else None
+
+
 def get_strategy() -> Strategy:
-    """The strategy of the innermost `scope()`, or the default one-device strategy."""
-    return _context.entered_strategy() or _default_strategy()
+    """The running or innermost entered strategy, or the default one-device strategy.
+
+    Inside `strategy.run` this is the running strategy, even when `run` was called outside
+    its scope (as in TensorFlow, where `run` enters the scope).
+    """
+    return _running() or _context.entered_strategy() or _default_strategy()
 
 
 def has_strategy() -> bool:
-    """Whether a (non-default) strategy's scope is entered."""
-    return _context.entered_strategy() is not None
+    """Whether a (non-default) strategy is current: its scope is entered, or its `run` runs."""
+    return _running() is not None or _context.entered_strategy() is not None
 
 
 def in_cross_replica_context() -> bool:
     """True inside `strategy.scope()` but outside `strategy.run` (TensorFlow's meaning)."""
-    return has_strategy() and _context.current_replica_context() is None
+    return _context.current_replica_context() is None and has_strategy()
 
 
 def get_replica_context() -> _context.ReplicaContext | None:
