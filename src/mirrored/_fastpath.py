@@ -177,7 +177,7 @@ class Guard:
                 if found != "p" or leaf.stacked != (kind == "k"):
                     return None
                 check_split(leaf)
-                if mask is None and leaf._mask is not None:
+                if mask is None and leaf._mask is not None and not leaf.stacked:
                     mask, count = leaf._mask, leaf._count
                 split.append(leaf.global_value)
             elif kind == "m":

@@ -78,7 +78,7 @@ def _global_batch_size(value: Any) -> Any:
     return value
 
 
-def _weighted(losses: jax.Array, sample_weight: Any) -> jax.Array:
+def weighted_losses(losses: jax.Array, sample_weight: Any) -> jax.Array:
     """`losses * sample_weight` after TensorFlow's `squeeze_or_expand_dimensions`."""
     weights = jnp.asarray(sample_weight)
     if weights.ndim and weights.ndim == losses.ndim + 1 and weights.shape[-1] == 1:
@@ -134,7 +134,7 @@ def compute_average_loss(
             "optax.softmax_cross_entropy_with_integer_labels(logits, y) without .mean()."
         )
     if sample_weight is not None:
-        losses = _weighted(losses, sample_weight)
+        losses = weighted_losses(losses, sample_weight)
     ctx = _context.current_replica_context()
     if global_batch_size is not None:
         global_batch_size = _global_batch_size(global_batch_size)

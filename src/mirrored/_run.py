@@ -184,7 +184,9 @@ class Runner:
                 out.kinds.append(_VARIABLE)
             elif kind == "p":
                 self._check_split(leaf)
-                if out.mask is None and leaf._mask is not None:
+                # The batch's mask; a stacked value carried over from an earlier step (running
+                # sums, say) may hold that step's mask, which is not this batch's.
+                if out.mask is None and leaf._mask is not None and not leaf.stacked:
                     out.mask, out.count = leaf._mask, leaf._count
                 out.split.append(leaf.global_value)
                 out.kinds.append(_STACKED if leaf.stacked else _SPLIT)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from mirrored import _checkpoint, _context, _objectives
 from mirrored._input import DistributedDataset
-from mirrored._losses import compute_average_loss
+from mirrored._losses import compute_average_loss, weighted_losses
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._run import peer_failures
 from mirrored._strategy import Strategy, get_strategy, to_host
@@ -26,21 +26,31 @@ logger = logging.getLogger("mirrored")
 
 
 def _make_steps(
-    loss_fn: Any, metrics: Sequence[_objectives.Metric]
+    loss_fn: Any,
+    metrics: Sequence[_objectives.Metric],
+    weighted_metrics: Sequence[_objectives.Metric] = (),
 ) -> tuple[Callable[..., Any], ...]:
     """The per-replica train, eval and predict steps. They close over configuration only."""
 
-    def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any) -> Any:
-        # Each replica keeps its own running sums (loss, metrics..., count), like TensorFlow's
-        # SYNC_ON_READ variables: no collective per step; they are summed when read.
+    def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any, w: Any) -> Any:
+        # Each replica keeps its own running sums (loss, metrics..., weighted metrics...,
+        # count, weight sum), like TensorFlow's SYNC_ON_READ variables: no collective per step;
+        # they are summed when read. As in Keras, the loss is weighted by sample_weight and
+        # divided by the example count; `metrics` ignore the weights and `weighted_metrics`
+        # divide by the weights' sum.
         ctx = _context.current_replica_context()
         assert ctx is not None
         ones = per_example * 0 + 1  # replica-local, like the examples themselves
-        weight = ones if ctx.example_mask is None else ones * ctx.example_mask
-        weight = weight.astype(jnp.float32)
-        local = [jnp.sum(per_example.astype(jnp.float32) * weight)]
-        local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in metrics]
-        return totals + jnp.stack([*local, jnp.sum(weight)])
+        real = ones if ctx.example_mask is None else ones * ctx.example_mask
+        real = real.astype(jnp.float32)
+        weight = real if w is None else weighted_losses(real, w)
+        loss = per_example.astype(jnp.float32)
+        local = [jnp.sum(loss * weight)]
+        local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * real) for m in metrics]
+        local += [
+            jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in weighted_metrics
+        ]
+        return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
 
     def train_step(model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         def loss_of(model: Any) -> Any:
@@ -62,11 +72,11 @@ def _make_steps(
         else:
             (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
             optimizer.update(model, grads)
-        return accumulate(totals, per_example, y, y_pred)
+        return accumulate(totals, per_example, y, y_pred, w)
 
     def eval_step(model: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         y_pred = _float32(model(x))
-        return accumulate(totals, loss_fn(y, y_pred), y, y_pred)
+        return accumulate(totals, loss_fn(y, y_pred), y, y_pred, w)
 
     def predict_step(model: Any, x: Any) -> Any:
         return model(x)
@@ -155,7 +165,10 @@ class Trainer:
             `mirrored.losses.Loss` (e.g. `SparseCategoricalCrossentropy(from_logits=True)`), or a
             callable `(y_true, y_pred)` returning one loss per example.
         metrics: names (`"accuracy"`, `"sparse_categorical_accuracy"`, `"mse"`, `"mae"`) or
-            callables `(y_true, y_pred)` returning one value per example.
+            callables `(y_true, y_pred)` returning one value per example. As in Keras, they
+            ignore `sample_weight`.
+        weighted_metrics: metrics weighted by `sample_weight` (Keras' `weighted_metrics`):
+            the weighted sum divided by the sum of the weights.
         from_logits: for loss names: whether the model outputs logits (Keras' default: False).
         policy: a `mirrored.mixed_precision` policy (default: the global one); applied to the
             model, and `"mixed_float16"` adds dynamic loss scaling.
@@ -179,6 +192,7 @@ class Trainer:
         loss: Any,
         metrics: Sequence[Any] = (),
         *,
+        weighted_metrics: Sequence[Any] = (),
         from_logits: bool = False,
         strategy: Strategy | None = None,
         policy: Policy | str | None = None,
@@ -190,7 +204,16 @@ class Trainer:
         self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
         self.metrics = [_objectives.get_metric(m, self.loss) for m in metrics]
-        names = ["loss", *(m.name for m in self.metrics)]
+        self.weighted_metrics = [_objectives.get_metric(m, self.loss) for m in weighted_metrics]
+        names = [
+            "loss",
+            *(m.name for m in self.metrics),
+            # Keras names a weighted metric that shares an unweighted one's name "weighted_...".
+            *(
+                f"weighted_{m.name}" if m.name in {u.name for u in self.metrics} else m.name
+                for m in self.weighted_metrics
+            ),
+        ]
         if len(set(names)) != len(names):
             raise ValueError(f"Expected distinct metric names; found {names}.")
         self._names = names
@@ -200,7 +223,9 @@ class Trainer:
                 model, optimizer, self.policy, global_clipnorm, gradient_accumulation_steps
             )
         self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
-        self._train_step, self._eval_step, self._predict_step = _make_steps(self.loss, self.metrics)
+        self._train_step, self._eval_step, self._predict_step = _make_steps(
+            self.loss, self.metrics, self.weighted_metrics
+        )
         self._train_totals = self._zeros()
         self.stop_training = False
         self._epoch = 0
@@ -229,11 +254,22 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------------
 
     def _dataset(
-        self, x: Any, y: Any, *, batch_size: int | None, shuffle: bool, seed: int
+        self,
+        x: Any,
+        y: Any,
+        *,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        sample_weight: Any = None,
     ) -> DistributedDataset:
+        _check_batch_size(batch_size)
         if isinstance(x, DistributedDataset) or _placed_batches(x):
-            if y is not None:
-                raise ValueError("Expected y=None with a distributed dataset; it yields (x, y).")
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    "Expected y=None and sample_weight=None with a distributed dataset; it "
+                    "yields (x, y) or (x, y, sample_weight) batches itself."
+                )
             return x if isinstance(x, DistributedDataset) else _Placed(x)  # type: ignore[return-value]
         if y is not None or _is_arrays(x):
             if y is not None and not (_is_arrays(x) and _is_arrays(y)):
@@ -242,15 +278,27 @@ class Trainer:
                     f"{type(x).__name__} and {type(y).__name__}. Fix: pass arrays, or a dataset "
                     "of (x, y) batches as x with y=None."
                 )
-            arrays = (x,) if y is None else (x, y)
+            arrays: tuple[Any, ...] = (x,) if y is None else (x, y)
+            if sample_weight is not None:
+                if y is None:
+                    raise ValueError(
+                        "Expected labels y together with sample_weight; found y=None. Fix: "
+                        "fit(x, y, sample_weight=w)."
+                    )
+                arrays = (x, y, _sample_weights(sample_weight, x))
             return self.strategy.experimental_distribute_dataset(
                 arrays, batch_size=batch_size or 32, shuffle=shuffle, seed=seed
+            )
+        if sample_weight is not None:
+            raise ValueError(
+                f"Expected sample_weight=None with a dataset ({type(x).__name__}); found "
+                "weights. Fix: let the dataset yield (x, y, sample_weight) batches."
             )
         return self.strategy.experimental_distribute_dataset(x, batch_size=batch_size)
 
     def _zeros(self, first: np.ndarray | None = None) -> Any:
         """Per-replica running sums, all zero (or `first` on replica 0)."""
-        size = len(self._names) + 1
+        size = len(self._names) + 2  # + example count, weight sum
 
         def row(ctx: Any) -> np.ndarray:
             if first is not None and ctx.replica_id_in_sync_group == 0:
@@ -260,14 +308,17 @@ class Trainer:
         return self.strategy.experimental_distribute_values_from_function(row)
 
     def _sums(self, totals: Any) -> np.ndarray:
+        # Running sums are not per example: read them without any batch's padding mask.
+        sums = PerReplica(totals.global_value, num_replicas=totals.num_replicas, stacked=True)
         with peer_failures():  # the first read after a worker died surfaces here
-            return np.asarray(self.strategy.reduce("SUM", totals), np.float64)
+            return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
 
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
-        *sums, count = self._sums(totals)
+        *sums, count, weight = self._sums(totals)
+        weighted_from = 1 + len(self.metrics)
         return {
-            prefix + name: float(value / count) if count else math.nan
-            for name, value in zip(self._names, sums, strict=True)
+            prefix + name: _ratio(value, weight if i >= weighted_from else count)
+            for i, (name, value) in enumerate(zip(self._names, sums, strict=True))
         }
 
     # -- fit ---------------------------------------------------------------------------------------
@@ -282,6 +333,7 @@ class Trainer:
         steps_per_epoch: int | None = None,
         validation_data: Any = None,
         validation_split: float = 0.0,
+        sample_weight: Any = None,
         shuffle: bool = True,
         callbacks: Sequence[Callback] = (),
         initial_epoch: int = 0,
@@ -294,6 +346,11 @@ class Trainer:
         `steps_per_epoch`, an epoch is ceil(examples / batch_size) steps; the last, ragged
         batch is padded and masked so every example counts exactly once. Shuffling is seeded by
         `seed` and differs per epoch.
+
+        As in Keras: `sample_weight` (one weight per example of `x`) weights the loss that is
+        trained and logged; `validation_data` may be `(x, y)` or `(x, y, sample_weight)`;
+        `validation_split` holds out the last `n - floor(n * (1 - validation_split))`
+        examples before shuffling.
         """
         if not 0.0 <= validation_split < 1.0:
             raise ValueError(
@@ -309,17 +366,21 @@ class Trainer:
                     "pass validation_data=... instead."
                 )
             rows = len(jax.tree.leaves(x)[0])
-            held = int(rows * validation_split)
-            if held == 0 or held == rows:
+            cut = math.floor(rows * (1.0 - validation_split))  # Keras' split_at
+            if cut == 0 or cut == rows:
                 raise ValueError(
                     f"validation_split={validation_split} of {rows} examples leaves "
-                    f"{held} for validation and {rows - held} for training; both need at "
+                    f"{rows - cut} for validation and {cut} for training; both need at "
                     "least one. Fix: adjust validation_split."
                 )
-            cut = rows - held  # Keras holds out the LAST examples, before shuffling
-            validation_data = jax.tree.map(lambda a: a[cut:], (x, y))
-            x, y = jax.tree.map(lambda a: a[:cut], (x, y))
-        train = self._dataset(x, y, batch_size=batch_size, shuffle=shuffle, seed=seed)
+            # Keras holds out the LAST examples, before shuffling, weights included.
+            arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+            validation_data = jax.tree.map(lambda a: a[cut:], arrays)
+            x, y, *weights = jax.tree.map(lambda a: a[:cut], arrays)
+            sample_weight = weights[0] if weights else None
+        train = self._dataset(
+            x, y, batch_size=batch_size, shuffle=shuffle, seed=seed, sample_weight=sample_weight
+        )
         steps = steps_per_epoch if steps_per_epoch is not None else len(train)
         history = History()
         progress = [ProgbarLogger(verbose)] if verbose else []
@@ -418,11 +479,15 @@ class Trainer:
     # -- evaluate / predict -------------------------------------------------------------------
 
     def _evaluate(self, data: Any, batch_size: int | None, *, prefix: str = "") -> dict[str, float]:
+        weights = None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
+            weights = data[2] if len(data) == 3 else None
         else:
             x, y = data, None
-        dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
+        dataset = self._dataset(
+            x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
+        )
         self.model.eval()
         totals = self._zeros()
         for batch in dataset.epoch_iterator(1):
@@ -432,10 +497,26 @@ class Trainer:
         return self._read(totals, prefix)
 
     def evaluate(
-        self, x: Any = None, y: Any = None, *, batch_size: int | None = None, verbose: int = 0
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        sample_weight: Any = None,
+        verbose: int = 0,
     ) -> dict[str, float]:
-        """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas."""
-        logs = self._evaluate((x, y) if y is not None else x, batch_size)
+        """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas.
+
+        `sample_weight` weights the loss (and `weighted_metrics`) as in Keras.
+        """
+        if y is None and sample_weight is not None:
+            raise ValueError(
+                "Expected labels y together with sample_weight; found y=None. Fix: "
+                "evaluate(x, y, sample_weight=w), or a dataset of (x, y, w) batches."
+            )
+        weighted = sample_weight is not None
+        data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
+        logs = self._evaluate(data, batch_size)
         if verbose and _checkpoint.is_chief():
             print("  ".join(f"{k} {v:.4f}" for k, v in logs.items()))
         return logs
@@ -445,23 +526,55 @@ class Trainer:
         del verbose
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         self.model.eval()
-        outputs, masks = [], []
-        for batch in dataset.epoch_iterator(1):
-            inputs = batch[0] if isinstance(batch, tuple | list) else batch
-            out = self.strategy.run(self._predict_step, args=(self.model, inputs))
-            outputs.append(self.strategy.gather(out, axis=0) if _has_per_replica(out) else out)
-            first = jax.tree.leaves(inputs)[0]
-            masks.append(first.mask.global_value if first.mask is not None else None)
-        rows = []
-        for out, mask in zip(outputs, masks, strict=True):
-            keep = None if mask is None else to_host(mask)
-            rows.append(
-                jax.tree.map(
-                    lambda a, keep=keep: to_host(a)[keep] if keep is not None else to_host(a),
-                    out,
-                )
+        outputs = [
+            self.strategy.run(
+                self._predict_step,
+                args=(self.model, batch[0] if isinstance(batch, tuple | list) else batch),
             )
+            for batch in dataset.epoch_iterator(1)
+        ]
+        # Outputs per example of a padded batch carry its mask: gather keeps the real rows.
+        rows = [
+            jax.tree.map(
+                to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
+            )
+            for out in outputs
+        ]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if batch_size is None:
+        return
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
+        raise TypeError(
+            f"Expected batch_size to be a positive int (the GLOBAL batch size) or None; found "
+            f"{batch_size!r} ({type(batch_size).__name__}). Fix: e.g. batch_size=256."
+        )
+    if batch_size < 1:
+        raise ValueError(
+            f"Expected batch_size to be a positive int (the GLOBAL batch size) or None; found "
+            f"{batch_size}. Fix: e.g. batch_size=256, or leave it unset for Keras' default 32."
+        )
+
+
+def _sample_weights(sample_weight: Any, x: Any) -> np.ndarray:
+    weights = np.asarray(sample_weight)
+    rows = len(jax.tree.leaves(x)[0])
+    if (
+        weights.ndim not in (1, 2)
+        or weights.shape[0] != rows
+        or weights.shape[1:] not in ((), (1,))
+    ):
+        raise ValueError(
+            f"Expected sample_weight with one weight per example of x: shape ({rows},) or "
+            f"({rows}, 1); found shape {weights.shape}. Fix: pass one weight per row of x."
+        )
+    return weights
+
+
+def _ratio(total: float, count: float) -> float:
+    return float(total / count) if count else math.nan
 
 
 def _as_policy(policy: Policy | str) -> Policy:

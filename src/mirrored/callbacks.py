@@ -237,7 +237,14 @@ class ModelCheckpoint(Callback):
 
 
 class EarlyStopping(Callback):
-    """Stop training when `monitor` has not improved by `min_delta` for `patience` epochs."""
+    """Stop training when `monitor` has not improved by `min_delta` for `patience` epochs.
+
+    Keras' rules (keras/src/callbacks/early_stopping.py): every epoch counts towards `wait`;
+    an improvement resets it only if it also beats `baseline`; training stops once
+    `wait >= patience` (never after the first epoch). With `restore_best_weights`, the weights
+    of the best epoch are restored when training ends, whether it stopped early or not, and
+    even if no epoch beat the baseline (the first epoch's weights are the best then).
+    """
 
     def __init__(
         self,
@@ -248,37 +255,50 @@ class EarlyStopping(Callback):
         mode: str = "auto",
         baseline: float | None = None,
         restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
     ) -> None:
         self.monitor = monitor
         self.min_delta = abs(min_delta)
         self.patience = patience
         self.baseline = baseline
         self.restore_best_weights = restore_best_weights
+        self.start_from_epoch = start_from_epoch
         self._better = _improved(mode, monitor)
         self._sign = 1.0 if self._better is np.less else -1.0
-        self.stopped_epoch = -1
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+
+    def _is_improvement(self, value: float, reference: float) -> bool:
+        return bool(self._better(value + self._sign * self.min_delta, reference))
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
         self.wait = 0
-        self.best = self.baseline
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+        self.best = np.inf if self._better is np.less else -np.inf
         self.best_weights: dict[str, np.ndarray] | None = None
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
         value = _monitored(logs, self.monitor, "EarlyStopping")
-        if value is None:
+        if value is None or epoch < self.start_from_epoch:
             return
-        if self.best is None or self._better(value + self._sign * self.min_delta, self.best):
-            self.best, self.wait = value, 0
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights = _checkpoint.state_arrays({"model": self.trainer.model})
+            self.best_epoch = epoch
+        self.wait += 1
+        if self._is_improvement(value, self.best):
+            self.best, self.best_epoch = value, epoch
             if self.restore_best_weights:
                 self.best_weights = _checkpoint.state_arrays({"model": self.trainer.model})
+            if self.baseline is None or self._is_improvement(value, self.baseline):
+                self.wait = 0
             return
-        self.wait += 1
-        if self.wait > self.patience:
+        if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             self.trainer.stop_training = True
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
-        if self.restore_best_weights and self.best_weights is not None and self.stopped_epoch >= 0:
+        if self.restore_best_weights and self.best_weights is not None:
             _checkpoint.load_state_arrays(
                 {"model": self.trainer.model},
                 self.best_weights,
