@@ -95,8 +95,34 @@ def main():
         callbacks.append(KillAt(args.kill_at))
     history = trainer.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=1)
     predictions = trainer.predict(x[:37], batch_size=16)  # every process: it runs steps
+    # 3. distribute_datasets_from_function, ragged differently on each process at the end:
+    # replica r of step s takes per-replica batch 4s + r of one fixed list, in any layout.
+    values = np.arange(1, 19, dtype=np.float32)
+    sizes = [3, 3, 3, 3, 3, 1, 2]  # step 1: 3, 1, 2 real rows and one replica with none
+    parts = np.split(values, np.cumsum(sizes)[:-1])
+
+    def dataset_fn(ctx):
+        local = strategy.num_replicas_in_sync // ctx.num_input_pipelines
+        return [
+            part
+            for j, part in enumerate(parts)
+            if (j // local) % ctx.num_input_pipelines == ctx.input_pipeline_id
+        ]
+
+    def count_step(x):
+        ctx = mirrored.get_replica_context()
+        return ctx.example_count, mirrored.compute_average_loss(x)
+
+    counts, means = [], []
+    for x in strategy.distribute_datasets_from_function(dataset_fn):
+        count, mean = strategy.run(count_step, args=(x,))
+        counts.append(int(count))
+        means.append(float(strategy.reduce("SUM", mean)))
+
     if strategy.is_chief:
         arrays = {f"loop/{k}": v for k, v in loop.items()}
+        arrays["dff_counts"] = np.asarray(counts)
+        arrays["dff_means"] = np.asarray(means)
         arrays.update({f"fit/{k}": v for k, v in flat(fitted).items()})
         arrays["loop_loss"] = np.asarray(total)
         arrays["fit_loss"] = np.asarray(history.history["loss"][-1])

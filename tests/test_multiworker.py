@@ -133,6 +133,11 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices)
         scale = max(float(np.max(np.abs(b[name]))), 1e-12)
         assert float(np.max(np.abs(a[name] - b[name]))) / scale <= 1e-5, name
     assert a["predict"].shape == (37, 5)
+    # Ragged per-process pipelines: every process counts the true global examples.
+    np.testing.assert_array_equal(a["dff_counts"], [12, 6])
+    np.testing.assert_allclose(
+        a["dff_means"], [np.mean(np.arange(1, 13)), np.mean(np.arange(13, 19))]
+    )
 
     # The checkpoint the 2-process job wrote restores in this single process.
     from flax import nnx

@@ -8,12 +8,14 @@ ahead of compute (`InputOptions`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mirrored import _batching
@@ -70,6 +72,13 @@ class InputContext:
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
 
+    def __str__(self) -> str:
+        # TensorFlow's wording (distribute_lib.InputContext.__str__), under mirrored's name.
+        return (
+            f"mirrored.InputContext(input pipeline id {self.input_pipeline_id}, "
+            f"total: {self.num_input_pipelines})"
+        )
+
 
 class HostBatch(NamedTuple):
     """This process's rows of one padded global batch, still on the host."""
@@ -77,7 +86,7 @@ class HostBatch(NamedTuple):
     treedef: Any
     leaves: list[Any]
     mask: np.ndarray
-    real: int  # real examples in the whole global batch
+    real: int | None  # real examples in the whole global batch; None: known on the devices only
     size: int  # rows of the padded global batch
 
 
@@ -197,7 +206,9 @@ def per_replica_batches(
         )
         leaves = [np.concatenate(column) for column in columns]
         mask = np.concatenate([_batching.example_mask(rows, target) for _, rows in parts])
-        count = sum(rows for _, rows in parts) * processes[0]  # other pipelines: assume full
+        # Each process's pipeline sees only its own rows: across processes the real count is
+        # the sum of every process's mask, taken on the devices.
+        count = sum(rows for _, rows in parts) if processes[0] == 1 else None
         yield HostBatch(treedef, leaves, mask, count, target * num_replicas)
 
 
@@ -251,6 +262,9 @@ class DistributedDataset:
     def _mask_and_count(self, batch: HostBatch) -> tuple[jax.Array, jax.Array]:
         # An epoch has one or two distinct masks (full batches, the ragged last one): place
         # each once and reuse the immutable device arrays, saving two transfers per step.
+        if batch.real is None:  # other processes' rows are unknown here: count on the devices
+            (mask,) = self._to_devices([batch.mask], batch.size)
+            return mask, _count_real(mask, self._strategy._replicated)
         key = (batch.size, batch.real, batch.mask.tobytes())
         cached = self._masks.get(key)
         if cached is None:
@@ -287,6 +301,12 @@ class DistributedDataset:
             # processes' device threads and stall a collective; place on the calling thread.
             return placed
         return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
+
+
+@functools.partial(jax.jit, static_argnames=("sharding",))
+def _count_real(mask: jax.Array, sharding: Any) -> jax.Array:
+    """The global batch's real examples, from every process's rows of its mask."""
+    return jax.lax.with_sharding_constraint(jnp.sum(mask, dtype=jnp.int32), sharding)
 
 
 def _nonempty_stream(batches: Iterator[HostBatch]) -> Iterator[HostBatch]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,22 +27,23 @@ _REDUCERS = {
 }
 
 
-@functools.partial(jax.jit, static_argnames=("op", "axis"))
-def _reduce_stacked(x: jax.Array, op: ReduceOp, axis: int | None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("op", "axes"))
+def _reduce_stacked(x: jax.Array, op: ReduceOp, axes: tuple[int, ...]) -> jax.Array:
     # x has a leading replica axis; TensorFlow reduces over replicas and, with axis=k, also over
     # axis k of each replica's value (so MEAN divides by the global element count).
-    axes = (0,) if axis is None else (0, axis + 1)
     reducer: Any = _REDUCERS[op]
-    return reducer(x, axis=axes)
+    return reducer(x, axis=(0, *(a + 1 for a in axes)))
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
-def _reduce_masked_rows(x: jax.Array, mask: jax.Array, op: ReduceOp) -> jax.Array:
-    # x: (replicas, rows, ...) of a padded batch; mask: the batch's (replicas * rows,) mask.
-    # Reduce over replicas and rows, counting real rows only, as TensorFlow does on the
-    # unpadded, unevenly split batch.
-    where = mask.reshape(x.shape[:2] + (1,) * (x.ndim - 2))
-    axes = (0, 1)
+@functools.partial(jax.jit, static_argnames=("op", "axes"))
+def _reduce_masked_rows(
+    x: jax.Array, mask: jax.Array, op: ReduceOp, axes: tuple[int, ...]
+) -> jax.Array:
+    # x: (replicas, rows, ...) of a padded batch; mask: the batch's (replicas * rows,) mask;
+    # `axes` includes 0, the rows. Reduce over replicas and those axes, counting real rows
+    # only, as TensorFlow does on the unpadded, unevenly split batch.
+    where = jnp.broadcast_to(mask.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x.shape)
+    axes = (0, *(a + 1 for a in axes))
     if op is ReduceOp.SUM:
         return jnp.sum(x, axis=axes, where=where)
     if op is ReduceOp.MEAN:
@@ -251,19 +252,12 @@ class Strategy:
 
         def reduce_one(v: Any) -> jax.Array:
             stacked = self._stacked(v)
-            if axis is None:
-                _refuse_padded(v, "reduce", "axis=None")
-                return _reduce_stacked(stacked, op, None)
-            rank = stacked.ndim - 1
-            if not isinstance(axis, int) or not -rank <= axis < rank:
-                raise ValueError(
-                    f"Expected axis to be None or an int in [{-rank}, {rank}) for per-replica "
-                    f"values of shape {stacked.shape[1:]}; found {axis!r}."
-                )
-            if axis % rank == 0 and _mask_of(v) is not None:
-                return _reduce_masked_rows(stacked, _mask_of(v), op)
+            axes = _axes(axis, stacked.ndim - 1, stacked.shape[1:])
+            mask = _mask_of(v)
+            if 0 in axes and mask is not None:
+                return _reduce_masked_rows(stacked, mask, op, axes)
             _refuse_padded(v, "reduce", f"axis={axis}")
-            return _reduce_stacked(stacked, op, axis % rank)
+            return _reduce_stacked(stacked, op, axes)
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
@@ -397,6 +391,23 @@ class Strategy:
         return _input.distribute_from_function(self, dataset_fn, options)
 
 
+def _axes(axis: Any, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`reduce`'s axis (None, an int or a tuple of ints) as sorted non-negative axes."""
+    if axis is None:
+        return ()
+    axes = axis if isinstance(axis, tuple | list) else (axis,)
+    if not all(
+        isinstance(a, int | np.integer) and not isinstance(a, bool) and -rank <= a < rank
+        for a in axes
+    ) or len({int(a) % max(rank, 1) for a in axes}) != len(axes):
+        raise ValueError(
+            f"Expected axis to be None, an int or a tuple of distinct ints in [{-rank}, {rank}) "
+            f"for per-replica values of shape {shape}; found {axis!r}. Fix: axis=0 reduces "
+            "the batch axis too; axis=None combines the replicas only."
+        )
+    return tuple(sorted(int(a) % rank for a in axes))
+
+
 def _mask_of(value: Any) -> jax.Array | None:
     return value._mask if isinstance(value, PerReplica) else None
 
@@ -475,12 +486,12 @@ class OneDeviceStrategy(Strategy):
 class _DefaultStrategy(Strategy):
     """What `get_strategy()` returns outside every scope: one replica on the default device."""
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        yield self
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        return contextlib.nullcontext(self)
 
 
 _default: list[_DefaultStrategy] = []
+_default_replica: list[_context.ReplicaContext] = []
 
 
 def _default_strategy() -> _DefaultStrategy:
@@ -521,4 +532,6 @@ def get_replica_context() -> _context.ReplicaContext | None:
         return ctx
     if has_strategy():
         return None
-    return _context.ReplicaContext(_default_strategy(), in_spmd=False)
+    if not _default_replica:  # one object, as TensorFlow's default replica context
+        _default_replica.append(_context.ReplicaContext(_default_strategy(), in_spmd=False))
+    return _default_replica[0]
