@@ -92,7 +92,7 @@ def weighted_losses(losses: jax.Array, sample_weight: Any) -> jax.Array:
     if shape != losses.shape:
         raise ValueError(
             f"compute_average_loss expected sample_weight broadcastable to the per-example "
-            f"losses of shape {losses.shape}; found shape {jnp.shape(sample_weight)}. Fix: one "
+            f"losses of shape {losses.shape}; found shape {np.shape(sample_weight)}. Fix: one "
             "weight per example, shape (batch,) or (batch, 1), or a scalar."
         )
     return (losses * weights).astype(losses.dtype)
@@ -153,11 +153,19 @@ def compute_average_loss(
         # Padded rows contribute nothing; the real rows of the global batch are counted once.
         losses = losses * mask.reshape(mask.shape + (1,) * (losses.ndim - 1)).astype(losses.dtype)
         if global_batch_size is None:
-            total = jnp.sum(losses) / ctx.example_count.astype(losses.dtype)  # type: ignore[union-attr]
-            return _per_replica(total)
+            count = ctx.example_count  # type: ignore[union-attr]
+            return _per_replica(_div_no_nan(jnp.sum(losses), count.astype(losses.dtype)))
     if global_batch_size is None:
         global_batch_size = losses.shape[0] * replicas
-    return _per_replica(jnp.sum(losses) / jnp.asarray(global_batch_size, dtype=losses.dtype))
+    return _per_replica(
+        _div_no_nan(jnp.sum(losses), jnp.asarray(global_batch_size, dtype=losses.dtype))
+    )
+
+
+def _div_no_nan(total: jax.Array, count: jax.Array) -> jax.Array:
+    """TensorFlow's `div_no_nan`: an empty batch has loss 0 (and finite gradients), not NaN."""
+    empty = count == 0
+    return jnp.where(empty, jnp.zeros_like(total), total / jnp.where(empty, 1, count))
 
 
 def _check_not_per_replica_size(

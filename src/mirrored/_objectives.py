@@ -183,18 +183,36 @@ def _binary_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
     return accuracy
 
 
+def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
+    """Keras' "accuracy": binary, sparse or categorical by the shapes of labels and outputs.
+
+    keras/src/trainers/compile_utils.py (is_binary_or_sparse_categorical): one output unit is
+    binary; labels of lower rank, or one label column against several outputs, are sparse;
+    otherwise categorical. Decided when the step is traced, from static shapes.
+
+    Differs from Keras: with a `from_logits=True` loss the binary threshold is 0 (a logit of
+    0 is probability 0.5); Keras keeps 0.5, which silently miscounts logits.
+    """
+    binary = _binary_accuracy(threshold)
+
+    def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+        if y_pred.shape[-1:] == (1,):
+            return binary(y_true, y_pred)
+        if y_true.ndim < y_pred.ndim or (y_true.shape[-1:] == (1,) and y_pred.shape[-1] > 1):
+            return _sparse_accuracy(y_true, y_pred)
+        return _categorical_accuracy(y_true, y_pred)
+
+    return accuracy
+
+
 def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Metric:
-    """A metric from a Keras name (\"accuracy\" follows the loss, as in Keras) or a callable."""
+    """A metric from a Keras name (\"accuracy\" follows the shapes, as in Keras) or a callable."""
     if isinstance(spec, Metric):
         return spec
     if isinstance(spec, str):
         from_logits = getattr(loss, "from_logits", False)
         if spec in ("accuracy", "acc"):
-            if isinstance(loss, CategoricalCrossentropy):
-                return Metric("accuracy", _categorical_accuracy)
-            if isinstance(loss, BinaryCrossentropy):
-                return Metric("accuracy", _binary_accuracy(0.0 if from_logits else 0.5))
-            return Metric("accuracy", _sparse_accuracy)
+            return Metric(spec, _shape_resolved_accuracy(0.0 if from_logits else 0.5))
         named: dict[str, Callable[[Any, Any], jax.Array]] = {
             "sparse_categorical_accuracy": _sparse_accuracy,
             "categorical_accuracy": _categorical_accuracy,

@@ -12,10 +12,11 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mirrored import _capture, _context, _fastpath
@@ -78,6 +79,13 @@ class _Sorted:
         if self.mask is None:
             return self.split, self.rep
         return [*self.split, self.mask], [*self.rep, self.count]
+
+
+class _Empty(NamedTuple):
+    """A zero-size host array among the static arguments: its shape and dtype select the program."""
+
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +203,11 @@ class Runner:
                     raise self._not_mirrored_error(args, kwargs, leaf)
                 out.rep.append(leaf)
                 out.kinds.append(_MIRRORED)
+            elif kind == "c" and np.size(leaf) == 0:
+                # An empty host array holds no data: compile it in (XLA rejects zero-size
+                # replicated operands of a manual computation).
+                out.statics.append(_Empty(np.shape(leaf), np.asarray(leaf).dtype.str))
+                out.kinds.append(_STATIC)
             elif kind == "c":
                 out.rep.append(leaf)
                 out.kinds.append(_CONSTANT)
@@ -205,6 +218,15 @@ class Runner:
                     "pytree=False from its class definition."
                 )
             else:
+                if isinstance(leaf, Iterator):
+                    raise ValueError(
+                        f"strategy.run expected arrays, batches and state as arguments; found an "
+                        f"iterator ({type(leaf).__name__}). Calling next() on it inside the step "
+                        "would run at trace time only, once, not every step.\n"
+                        "Fix: take the batch on the host and pass it:\n"
+                        "  batch = next(iterator)\n"
+                        "  strategy.run(step, args=(model, batch))"
+                    )
                 out.statics.append(leaf)
                 out.kinds.append(_STATIC)
         return out

@@ -381,7 +381,9 @@ class Trainer:
         train = self._dataset(
             x, y, batch_size=batch_size, shuffle=shuffle, seed=seed, sample_weight=sample_weight
         )
-        steps = steps_per_epoch if steps_per_epoch is not None else len(train)
+        # Keras: without steps_per_epoch, an epoch is one pass; for a source of unknown length
+        # that is "until it runs out".
+        steps: int | None = steps_per_epoch if steps_per_epoch is not None else _length(train)
         history = History()
         progress = [ProgbarLogger(verbose)] if verbose else []
         callback_list = CallbackList([history, *progress, *callbacks])
@@ -410,7 +412,7 @@ class Trainer:
             )
             step = first_step if epoch == first_epoch else 0
             for batch in batches:
-                if step >= steps:
+                if steps is not None and step >= steps:
                     break
                 if per_step:
                     callback_list.on_train_batch_begin(step)
@@ -425,7 +427,7 @@ class Trainer:
                 step += 1
                 if self.stop_training:
                     break
-            if step < steps and not self.stop_training:
+            if steps is not None and step < steps and not self.stop_training:
                 logger.warning(
                     "The training data ran out after %d of %d steps in epoch %d. Fix: lower "
                     "steps_per_epoch, or leave it unset to run one pass over the data.",
@@ -541,6 +543,13 @@ class Trainer:
             for out in outputs
         ]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # a source of unknown length
+        return None
 
 
 def _check_batch_size(batch_size: Any) -> None:
