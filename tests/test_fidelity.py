@@ -448,3 +448,56 @@ def test_early_stopping_follows_keras(strategies, values, kwargs, epochs_run, re
     )
     assert len(history.epoch) == epochs_run
     np.testing.assert_array_equal(np.asarray(trainer.model.out.bias[...]), float(restored))
+
+
+def test_a_reused_early_stopping_starts_afresh_each_fit(strategies):
+    trainer = _trainer(strategies[1])
+    x, y, _ = _weighted_data(16)
+    stop = mirrored.callbacks.EarlyStopping(patience=1)
+    trainer.fit(x, y, epochs=2, callbacks=[_Scripted([0.1, 0.2]), stop], verbose=0)
+    # The first fit's best (0.1) would stop the second at its second epoch: it must not.
+    history = trainer.fit(x, y, epochs=3, callbacks=[_Scripted([1.0, 0.9, 0.8]), stop], verbose=0)
+    assert len(history.epoch) == 3
+
+
+class _OneUnit(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.array([[1.0], [-1.0]]))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def test_accuracy_follows_the_shapes_and_logits_threshold_at_zero(strategies):
+    strategy = strategies[2]
+    x = np.array([[0.8, 0.1], [0.1, 0.3], [0.3, 0.1], [0.1, 0.2]], np.float32)
+    y = np.array([[1.0], [0.0], [1.0], [0.0]], np.float32)  # outputs 0.7, -0.2, 0.2, -0.1
+    for loss, expected in [
+        # Logits: threshold 0, all four right (Keras' 0.5 would say 0.75).
+        (mirrored.losses.BinaryCrossentropy(from_logits=True), 1.0),
+        # One output unit: Keras' binary accuracy at 0.5 (sparse argmax over one unit: 0.5).
+        ("mse", 0.75),
+    ]:
+        with strategy.scope():
+            trainer = mirrored.Trainer(_OneUnit(), optax.sgd(0.0), loss, ["accuracy"])
+        assert trainer.evaluate(x, y, batch_size=4)["accuracy"] == pytest.approx(expected)
+
+
+def test_fetch_to_device_false_still_places_batches_on_the_replicas(strategies):
+    strategy = strategies[2]
+    options = mirrored.InputOptions(experimental_fetch_to_device=False)
+    dataset = strategy.experimental_distribute_dataset(
+        np.arange(8.0), options=options, batch_size=4
+    )
+    batch = next(iter(dataset))
+    devices = [next(iter(v.devices())) for v in strategy.experimental_local_results(batch)]
+    assert devices == list(strategy.extended.worker_devices)
+
+
+def test_an_empty_batch_has_loss_zero_and_finite_gradients():
+    # TensorFlow's div_no_nan: an empty batch contributes 0, not NaN.
+    def loss(scale):
+        return mirrored.compute_average_loss(scale * jnp.zeros((0,)))
+
+    assert float(loss(1.0)) == 0.0
+    assert float(jax.grad(loss)(1.0)) == 0.0

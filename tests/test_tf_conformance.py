@@ -289,6 +289,15 @@ def test_input_context_per_replica_batch_size():
         input_context.get_per_replica_batch_size(13)
 
 
+# TF: tensorflow/python/distribute/distribute_lib_test.py::InputContextTest.testStr
+def test_input_context_str():
+    # Deliberate difference: the class is named mirrored.InputContext, not tf.distribute's.
+    input_context = mirrored.InputContext(num_input_pipelines=1, input_pipeline_id=0)
+    assert str(input_context) == "mirrored.InputContext(input pipeline id 0, total: 1)"
+    input_context = mirrored.InputContext(num_input_pipelines=3, input_pipeline_id=1)
+    assert str(input_context) == "mirrored.InputContext(input pipeline id 1, total: 3)"
+
+
 # -- StrategyLocalResultTest ----------------------------------------------------------------------
 # TF runs these on two CPUs (mirrored_strategy_with_cpu_1_and_2); here 1, 2 and 8 replicas.
 
