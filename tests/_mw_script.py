@@ -97,8 +97,8 @@ def main():
     predictions = trainer.predict(x[:37], batch_size=16)  # every process: it runs steps
     # 3. distribute_datasets_from_function, ragged differently on each process at the end:
     # replica r of step s takes per-replica batch 4s + r of one fixed list, in any layout.
-    values = np.arange(1, 19, dtype=np.float32)
-    sizes = [3, 3, 3, 3, 3, 1, 2]  # step 1: 3, 1, 2 real rows and one replica with none
+    values = np.arange(1, 20, dtype=np.float32)
+    sizes = [3, 3, 3, 3, 3, 1, 2, 1]  # per-replica batches of 3; then 3, 1, 2, 1 real rows
     parts = np.split(values, np.cumsum(sizes)[:-1])
 
     def dataset_fn(ctx):

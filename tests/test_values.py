@@ -54,7 +54,9 @@ def test_reduce_rejects_bad_op_and_axis(strategy):
     value, _ = per_replica_rows(strategy)
     with pytest.raises(ValueError, match="one of \\['SUM', 'MEAN', 'MAX', 'MIN'\\]; found 'AVG'"):
         strategy.reduce("AVG", value)
-    with pytest.raises(ValueError, match="axis to be None or an int in \\[-2, 2\\)"):
+    with pytest.raises(
+        ValueError, match="axis to be None, an int or a tuple of distinct ints in \\[-2, 2\\)"
+    ):
         strategy.reduce("SUM", value, axis=2)
 
 
