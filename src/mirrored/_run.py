@@ -96,6 +96,10 @@ class _Program:
     # Outputs computed per example of a padded batch (leading axis = the replica's rows): they
     # carry the batch's mask, so reductions and gathers count real examples only.
     out_masked: tuple[bool, ...] = ()
+    any_masked: bool = dataclasses.field(init=False)  # read every step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "any_masked", any(self.out_masked))
 
 
 class Runner:
@@ -292,7 +296,7 @@ class Runner:
             guard.written = new_state
             self._bound_dispatch(token)
         n = self._n
-        if not any(program.out_masked):
+        if not program.any_masked:
             return jax.tree.unflatten(
                 program.out_treedef,
                 [
