@@ -53,6 +53,14 @@ def batches(data, size, drop_remainder=False):
     return out
 
 
+def masked_sum(values):
+    """The sum of a replica's real rows: padded rows (copies of real ones) are masked out."""
+    mask = mirrored.get_replica_context().example_mask
+    if mask is None:
+        return jnp.sum(values)
+    return jnp.sum(values * mask.reshape(mask.shape + (1,) * (values.ndim - 1)))
+
+
 def local(strategy, value):
     """`experimental_local_results` as NumPy arrays."""
     return [np.asarray(v) for v in strategy.experimental_local_results(value)]
@@ -914,7 +922,8 @@ def test_ragged_sparse_dense_part(input_type, drop_remainder):
     # Iterate through all the batches and sum them up.
     def sum_batch(per_replica_features):
         def map_fn(per_replica_values):
-            per_replica_sums = distribution.run(jnp.sum, (per_replica_values,))
+            # Deliberate difference: padded rows are visible inside fn; the sum masks them.
+            per_replica_sums = distribution.run(masked_sum, (per_replica_values,))
             return distribution.reduce(mirrored.ReduceOp.SUM, per_replica_sums, axis=None)
 
         return {k: map_fn(v) for k, v in per_replica_features.items()}
@@ -1080,7 +1089,8 @@ def test_loop_over_dict_dataset_with_partial_batch():
 
     def assign_add_fn(v, data):
         ctx = mirrored.get_replica_context()
-        v[...] = v[...] + ctx.all_reduce("SUM", jnp.sum(data["y"]))
+        # Deliberate difference: the last batch's padded rows are visible; the sum masks them.
+        v[...] = v[...] + ctx.all_reduce("SUM", masked_sum(data["y"]))
 
     for data in dist_dataset:
         strategy.run(assign_add_fn, args=(v, data))

@@ -216,8 +216,8 @@ def test_unknown_loss_lists_the_valid_ones(devices):
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
         model = SmallMLP(rngs=nnx.Rngs(0))
-        with pytest.raises(ValueError, match="'binary_crossentropy'.*found 'crossentropy'"):
-            mirrored.Trainer(model, optax.sgd(0.1), "crossentropy")
+        with pytest.raises(ValueError, match="'binary_crossentropy'.*found 'cross_entropy'"):
+            mirrored.Trainer(model, optax.sgd(0.1), "cross_entropy")
         with pytest.raises(ValueError, match="found 'f1'"):
             mirrored.Trainer(model, optax.sgd(0.1), "mse", ["f1"])
 

@@ -88,16 +88,27 @@ def process_rows(size: int, num_processes: int, process_index: int) -> slice:
     return slice(process_index * rows, (process_index + 1) * rows)
 
 
-def pad_to(leaves: list[Any], rows: int, size: int) -> list[np.ndarray]:
-    """Each leaf extended with zero rows from `rows` to `size` rows."""
+def pad_to(
+    leaves: list[Any], rows: int, size: int, fill: list[Any] | None = None
+) -> list[np.ndarray]:
+    """Each leaf extended from `rows` to `size` rows with copies of its real rows.
+
+    A padded row must be harmless to any model and loss the real rows are fine for: a row of
+    zeros is infinite under `1 / |y|` and NaN under `x / |x|`, and `inf * 0` is NaN even where
+    the mask removes it (in the loss and in its gradient). Copies of real rows stay finite
+    wherever the real rows are. `fill` gives the rows to copy when there are no real rows
+    (a replica the data ran out for); the mask excludes every padded row from every result.
+    """
     if rows == size:
         return [np.asarray(x) for x in leaves]
     out = []
-    for x in leaves:
+    for i, x in enumerate(leaves):
         x = np.asarray(x)
-        padded = np.zeros((size, *x.shape[1:]), x.dtype)
-        padded[:rows] = x
-        out.append(padded)
+        source = x[:rows] if rows else np.asarray(fill[i] if fill is not None else x)
+        if len(source) == 0:  # nothing real to copy anywhere: zeros are all there is
+            source = np.zeros((1, *x.shape[1:]), x.dtype)
+        index = np.arange(size - rows) % len(source)
+        out.append(np.concatenate([x[:rows], source[index].astype(x.dtype, copy=False)]))
     return out
 
 

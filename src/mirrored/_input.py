@@ -154,7 +154,10 @@ def array_batches(
             # take(mode="clip") skips the bounds check of fancy indexing: ~25% faster here.
             out = [np.take(x, index, axis=0, mode="clip") for x in leaves]
         if real < width:  # the ragged last batch
-            out = _batching.pad_to(out, real, width)
+            # A process holding only padding copies the global batch's first real row.
+            head = start if order is None else order[start]
+            fill = None if real else [x[head : head + 1] for x in leaves]
+            out = _batching.pad_to(out, real, width, fill)
         mask = _batching.example_mask(rows, total)[local]
         yield HostBatch(treedef, out, mask, rows, total)
 
@@ -201,8 +204,10 @@ def per_replica_batches(
         target = max(target, *(rows for _, rows in parts))
         empty = [np.zeros((0, *np.shape(x)[1:]), np.asarray(x).dtype) for x in parts[0][0]]
         parts += [(empty, 0)] * (local_replicas - len(parts))  # the data ran out mid-step
+        first = parts[0][0]  # at least one real row: a replica without data copies these
         columns = zip(
-            *(_batching.pad_to(leaves, rows, target) for leaves, rows in parts), strict=True
+            *(_batching.pad_to(leaves, rows, target, first) for leaves, rows in parts),
+            strict=True,
         )
         leaves = [np.concatenate(column) for column in columns]
         mask = np.concatenate([_batching.example_mask(rows, target) for _, rows in parts])
@@ -327,6 +332,29 @@ def _as_iterable(source: Any) -> Iterable[Any]:
     return source  # type: ignore[no-any-return]
 
 
+def _each_epoch(
+    dataset: Any, batches: Callable[[Iterable[Any]], Iterator[HostBatch]]
+) -> Callable[[int], Iterator[HostBatch]]:
+    """Iterate a re-iterable source anew every epoch; refuse a spent one-shot iterator."""
+    one_shot = isinstance(dataset, Iterator)
+    epochs = [0]
+
+    def each(epoch: int) -> Iterator[HostBatch]:
+        del epoch  # the source's own order; only the array fast path shuffles
+        epochs[0] += 1
+        if one_shot and epochs[0] > 1:
+            raise ValueError(
+                f"Expected a dataset that can be iterated once per epoch; found a one-shot "
+                f"iterator ({type(dataset).__name__}), already used up by the first epoch: a "
+                "second epoch would train on nothing.\nFix: pass a re-iterable source (a list, "
+                "a Grain dataset, a tf.data.Dataset, a torch DataLoader), or a generator "
+                "function's result per epoch, or set epochs=1."
+            )
+        return batches(_as_iterable(dataset))
+
+    return each
+
+
 def _length(source: Any) -> int | None:
     try:
         return len(source)
@@ -392,10 +420,11 @@ def distribute_dataset(
             f"found {type(dataset).__name__} without batch_size. Fix: "
             "strategy.experimental_distribute_dataset((x, y), batch_size=256)."
         )
-    source = _as_iterable(dataset)
     return DistributedDataset(
         strategy,
-        lambda epoch: iterable_batches(source, num_replicas=n, processes=processes),
+        _each_epoch(
+            dataset, lambda source: iterable_batches(source, num_replicas=n, processes=processes)
+        ),
         length=_length(dataset),
         options=options,
     )
@@ -414,12 +443,13 @@ def distribute_from_function(
             f"{type(dataset).__name__}. Fix: return a dataset batched with "
             "input_context.get_per_replica_batch_size(global_batch_size)."
         )
-    source = _as_iterable(dataset)
     length = _length(dataset)
     local_replicas = n // processes[0]
     return DistributedDataset(
         strategy,
-        lambda epoch: per_replica_batches(source, num_replicas=n, processes=processes),
+        _each_epoch(
+            dataset, lambda source: per_replica_batches(source, num_replicas=n, processes=processes)
+        ),
         length=None if length is None else math.ceil(length / local_replicas),
         options=options,
     )

@@ -52,11 +52,16 @@ class Policy:
         return self.name == "mixed_float16"
 
     def apply(self, model: nnx.Module) -> nnx.Module:
-        """Make every submodule with a `dtype` compute in `compute_dtype`; params stay float32."""
-        compute = None if self.name == "float32" else self.compute_dtype
+        """Make submodules without a dtype of their own compute in `compute_dtype`.
+
+        A layer built with an explicit `dtype=` keeps it, as a Keras layer keeps an explicit
+        dtype policy; parameters stay in their `param_dtype` (float32 by default).
+        """
+        if self.name == "float32":
+            return model  # every layer computes as it was built
         for _, module in nnx.iter_modules(model):
-            if hasattr(module, "dtype") and hasattr(module, "param_dtype"):
-                module.dtype = compute
+            if hasattr(module, "param_dtype") and getattr(module, "dtype", 0) is None:
+                setattr(module, "dtype", self.compute_dtype)  # noqa: B010 (not every module has it)
         return model
 
     def __eq__(self, other: object) -> bool:

@@ -17,8 +17,8 @@ import optax
 _EPSILON = 1e-7
 
 
-def _per_example(values: jax.Array) -> jax.Array:
-    """Average everything but the batch axis, as Keras does."""
+def per_example(values: jax.Array) -> jax.Array:
+    """Average everything but the batch axis, as Keras' `sum_over_batch_size` does."""
     return values.reshape(values.shape[0], -1).mean(axis=1) if values.ndim > 1 else values
 
 
@@ -61,7 +61,7 @@ class SparseCategoricalCrossentropy(Loss):
                 "pass class indices (not one-hot rows; for those use 'categorical_crossentropy').",
             )
         logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
-        return _per_example(optax.softmax_cross_entropy_with_integer_labels(logits, y_true))
+        return per_example(optax.softmax_cross_entropy_with_integer_labels(logits, y_true))
 
 
 class CategoricalCrossentropy(Loss):
@@ -80,7 +80,7 @@ class CategoricalCrossentropy(Loss):
                 "class indices.",
             )
         logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
-        return _per_example(optax.softmax_cross_entropy(logits, y_true))
+        return per_example(optax.softmax_cross_entropy(logits, y_true))
 
 
 def _same_shape(name: str, y_true: Any, y_pred: Any) -> jax.Array:
@@ -105,26 +105,54 @@ class BinaryCrossentropy(Loss):
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         y_true = _same_shape(self.name, y_true, y_pred)
         if self.from_logits:
-            return _per_example(optax.sigmoid_binary_cross_entropy(y_pred, y_true))
+            return per_example(optax.sigmoid_binary_cross_entropy(y_pred, y_true))
         p = jnp.clip(y_pred, _EPSILON, 1 - _EPSILON)
-        return _per_example(-(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p)))
+        return per_example(-(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p)))
 
 
 class MeanSquaredError(Loss):
     name = "mse"
 
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        return _per_example((_same_shape(self.name, y_true, y_pred) - y_pred) ** 2)
+        return per_example((_same_shape(self.name, y_true, y_pred) - y_pred) ** 2)
 
 
 class MeanAbsoluteError(Loss):
     name = "mae"
 
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        return _per_example(jnp.abs(_same_shape(self.name, y_true, y_pred) - y_pred))
+        return per_example(jnp.abs(_same_shape(self.name, y_true, y_pred) - y_pred))
+
+
+def _is_binary(y_true: Any, y_pred: Any) -> bool:
+    return tuple(y_pred.shape[-1:]) == (1,)
+
+
+def _is_sparse(y_true: Any, y_pred: Any) -> bool:
+    return y_true.ndim < y_pred.ndim or (tuple(y_true.shape[-1:]) == (1,) and y_pred.shape[-1] > 1)
+
+
+class Crossentropy(Loss):
+    """Keras' `"crossentropy"` / `"ce"`: binary, sparse or categorical by the shapes.
+
+    keras/src/trainers/compile_utils.py (get_loss): one output unit is binary; labels of
+    lower rank, or one label column against several outputs, are sparse; else categorical.
+    """
+
+    name = "crossentropy"
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        kind: type[Loss] = CategoricalCrossentropy
+        if _is_binary(y_true, y_pred):
+            kind = BinaryCrossentropy
+        elif _is_sparse(y_true, y_pred):
+            kind = SparseCategoricalCrossentropy
+        return kind(from_logits=self.from_logits)(y_true, y_pred)
 
 
 _LOSSES: dict[str, type[Loss]] = {
+    "crossentropy": Crossentropy,
+    "ce": Crossentropy,
     "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
     "categorical_crossentropy": CategoricalCrossentropy,
     "binary_crossentropy": BinaryCrossentropy,
@@ -166,11 +194,11 @@ class Metric:
 def _sparse_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
     if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
         y_true = y_true[..., 0]
-    return _per_example((jnp.argmax(y_pred, axis=-1) == y_true).astype(jnp.float32))
+    return per_example((jnp.argmax(y_pred, axis=-1) == y_true).astype(jnp.float32))
 
 
 def _categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-    return _per_example(
+    return per_example(
         (jnp.argmax(y_pred, axis=-1) == jnp.argmax(y_true, axis=-1)).astype(jnp.float32)
     )
 
@@ -178,7 +206,7 @@ def _categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
 def _binary_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
     def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
         y_true = y_true.reshape(y_pred.shape) if y_true.size == y_pred.size else y_true
-        return _per_example(((y_pred > threshold) == (y_true > 0.5)).astype(jnp.float32))
+        return per_example(((y_pred > threshold) == (y_true > 0.5)).astype(jnp.float32))
 
     return accuracy
 
@@ -196,10 +224,20 @@ def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array
     binary = _binary_accuracy(threshold)
 
     def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-        if y_pred.shape[-1:] == (1,):
+        if _is_binary(y_true, y_pred):
             return binary(y_true, y_pred)
-        if y_true.ndim < y_pred.ndim or (y_true.shape[-1:] == (1,) and y_pred.shape[-1] > 1):
+        if _is_sparse(y_true, y_pred):
             return _sparse_accuracy(y_true, y_pred)
+        if tuple(y_true.shape) != tuple(y_pred.shape):
+            raise _shape_error(
+                "accuracy",
+                f"one-hot labels of shape {tuple(y_pred.shape)} (categorical accuracy), "
+                "integer labels of shape "
+                f"{tuple(y_pred.shape[:-1])} (sparse), or one output unit (binary)",
+                y_true,
+                y_pred,
+                "give labels and outputs shapes Keras can pair, as listed.",
+            )
         return _categorical_accuracy(y_true, y_pred)
 
     return accuracy

@@ -46,16 +46,14 @@ def _make_steps(
         weight = real if w is None else weighted_losses(real, w)
         loss = per_example.astype(jnp.float32)
         local = [jnp.sum(loss * weight)]
-        local += [jnp.sum(m.values(y, y_pred).astype(jnp.float32) * real) for m in metrics]
-        local += [
-            jnp.sum(m.values(y, y_pred).astype(jnp.float32) * weight) for m in weighted_metrics
-        ]
+        local += [jnp.sum(_values(m, y, y_pred) * real) for m in metrics]
+        local += [jnp.sum(_values(m, y, y_pred) * weight) for m in weighted_metrics]
         return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
 
     def train_step(model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         def loss_of(model: Any) -> Any:
             y_pred = _float32(model(x))  # losses in float32 whatever the compute dtype
-            per_example = loss_fn(y, y_pred)
+            per_example = _objectives.per_example(loss_fn(y, y_pred))
             return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
 
         scaled = isinstance(optimizer, LossScaleOptimizer)
@@ -76,12 +74,16 @@ def _make_steps(
 
     def eval_step(model: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
         y_pred = _float32(model(x))
-        return accumulate(totals, loss_fn(y, y_pred), y, y_pred, w)
+        return accumulate(totals, _objectives.per_example(loss_fn(y, y_pred)), y, y_pred, w)
 
     def predict_step(model: Any, x: Any) -> Any:
         return model(x)
 
     return train_step, eval_step, predict_step
+
+
+def _values(metric: _objectives.Metric, y: Any, y_pred: Any) -> Any:
+    return _objectives.per_example(metric.values(y, y_pred)).astype(jnp.float32)
 
 
 def _float32(tree: Any) -> Any:
@@ -173,8 +175,9 @@ class Trainer:
         policy: a `mirrored.mixed_precision` policy (default: the global one); applied to the
             model, and `"mixed_float16"` adds dynamic loss scaling.
         global_clipnorm: clip the (replica-summed) gradient to this global norm.
-        gradient_accumulation_steps: apply one update per this many batches, with their
-            gradients averaged (one step on a k-times larger batch).
+        gradient_accumulation_steps: apply one update per this many batches, with the mean of
+            their mean gradients (Keras' and `optax.MultiSteps`' rule: one step on a k-times
+            larger batch when the batches are full; a ragged one weighs as much as a full one).
 
     Example:
         >>> with strategy.scope():
@@ -601,6 +604,14 @@ def _build_optimizer(
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(
             f"Expected gradient_accumulation_steps to be a positive int; found {accumulation!r}."
+        )
+    if isinstance(optimizer, nnx.Optimizer) and policy.needs_loss_scaling:
+        raise ValueError(
+            f"policy {policy.name!r} needs dynamic loss scaling (float16 gradients of a small "
+            "loss flush to zero), which the Trainer adds around an Optax transformation; found "
+            "an already built nnx.Optimizer, which would train without it.\n"
+            "Fix: pass the Optax transformation, e.g. Trainer(model, optax.adam(1e-3), ...), "
+            "or build mirrored.mixed_precision.LossScaleOptimizer(model, tx) in the scope."
         )
     if isinstance(optimizer, nnx.Optimizer | LossScaleOptimizer):
         if global_clipnorm is not None or accumulation > 1:
