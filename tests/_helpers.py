@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 import mirrored
+from mirrored._leaves import raw_array
 
 
 class SmallMLP(nnx.Module):
@@ -89,6 +90,6 @@ def max_relative_difference(a: np.ndarray, b: np.ndarray) -> float:
 def assert_bit_identical_on_devices(tree: object) -> None:
     """Every addressable shard of every mirrored array holds exactly the same bits."""
     for leaf in jax.tree.leaves(nnx.state(tree) if isinstance(tree, nnx.Module) else tree):
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        shards = [np.asarray(raw_array(s.data)) for s in leaf.addressable_shards]
         first = shards[0].tobytes()
         assert all(s.tobytes() == first for s in shards[1:]), "replicas diverged"

@@ -25,7 +25,7 @@ def is_state(value: Any) -> bool:
     return isinstance(value, nnx.Variable) or nnx.graph.is_graph_node(value)
 
 
-def _holds_state(value: Any, is_mirrored: Callable[[Any], bool]) -> bool:
+def _holds_state(value: Any, is_mirrored: Callable[[Any], bool], *, depth: int = 1) -> bool:
     if is_state(value):
         return True
     if isinstance(value, jax.Array):
@@ -34,7 +34,23 @@ def _holds_state(value: Any, is_mirrored: Callable[[Any], bool]) -> bool:
         leaves = jax.tree.leaves(value, is_leaf=is_state)
         if len(leaves) <= _MAX_CONTAINER_LEAVES:
             return any(is_state(x) or (isinstance(x, jax.Array) and is_mirrored(x)) for x in leaves)
+        return False
+    # A plain object holding a model (`G.model`, `self.model` of a training class) bakes the
+    # model in as a constant just as a captured model does.
+    attributes = getattr(value, "__dict__", None)
+    if depth > 0 and isinstance(attributes, dict) and not _is_code_or_namespace(value):
+        return any(
+            _holds_state(v, is_mirrored, depth=depth - 1)
+            for v in list(attributes.values())[:_MAX_CONTAINER_LEAVES]
+        )
     return False
+
+
+def _is_code_or_namespace(value: Any) -> bool:
+    return isinstance(
+        value,
+        types.ModuleType | type | types.FunctionType | types.MethodType | functools.partial,
+    )
 
 
 def _global_loads(code: types.CodeType) -> Iterator[str]:
@@ -57,6 +73,11 @@ def find_captured(
         if id(f) in seen:
             return
         seen.add(id(f))
+        if isinstance(f, types.MethodType):  # `trainer_obj.step`: state reached via `self`
+            if _holds_state(f.__self__, is_mirrored):
+                found.append(("self", f.__self__))
+            visit(f.__func__)
+            return
         if isinstance(f, functools.partial):
             for i, value in enumerate(f.args):
                 if _holds_state(value, is_mirrored):
@@ -69,6 +90,11 @@ def find_captured(
         code = getattr(f, "__code__", None)
         if not isinstance(code, types.CodeType):
             return
+        defaults = [*(getattr(f, "__defaults__", None) or ())]
+        defaults += [*(getattr(f, "__kwdefaults__", None) or {}).values()]
+        for value in defaults:  # `def step(x, model=model)`: bound when the step was defined
+            if _holds_state(value, is_mirrored):
+                found.append(("a default argument", value))
         for name, cell in zip(
             code.co_freevars, getattr(f, "__closure__", None) or (), strict=False
         ):
@@ -101,7 +127,9 @@ def find_captured(
 def captured_state_error(fn: Callable[..., Any], captured: list[tuple[str, Any]]) -> ValueError:
     names = ", ".join(f"{name!r} ({type(value).__name__})" for name, value in captured)
     fn_name = getattr(fn, "__name__", repr(fn))
-    first = captured[0][0] if " " not in captured[0][0] else "model"
+    first = captured[0][0] if captured[0][0].isidentifier() else "model"
+    if first == "self":
+        first = "model"
     return ValueError(
         f"strategy.run expected all mirrored state to arrive as arguments, but {fn_name!r} "
         f"captures {names} from an enclosing scope. Captured state is compiled in as a "

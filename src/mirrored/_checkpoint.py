@@ -16,6 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from mirrored._leaves import is_key, raw_array
+
 
 def is_chief() -> bool:
     """Whether this process writes files (process 0)."""
@@ -33,7 +35,7 @@ def state_arrays(objects: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every variable of the named NNX objects as a host array, keyed `name/path/to/var`."""
     flat: dict[str, Any] = {}
     for prefix, obj in objects.items():
-        flat.update({k: v.get_value() for k, v in _flat_state(prefix, obj).items()})
+        flat.update({k: raw_array(v.get_value()) for k, v in _flat_state(prefix, obj).items()})
     return {k: np.asarray(v) for k, v in jax.device_get(flat).items()}
 
 
@@ -53,14 +55,19 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
                     "architecture (and optimizer) that was saved."
                 )
             value = arrays[key]
-            if value.shape != var.get_value().shape:
+            current = var.get_value()
+            expected = raw_array(current).shape
+            if value.shape != expected:
                 raise ValueError(
-                    f"Expected {key!r} of shape {var.get_value().shape} in the checkpoint at "
+                    f"Expected {key!r} of shape {expected} in the checkpoint at "
                     f"{source}; found {value.shape}. Fix: restore into the architecture that "
                     "was saved."
                 )
-            current = var.get_value()
-            var.set_value(jax.device_put(value.astype(current.dtype), current.sharding))
+            if is_key(current):
+                data = jax.device_put(value.astype(np.uint32), current.sharding)
+                var.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)))
+            else:
+                var.set_value(jax.device_put(value.astype(current.dtype), current.sharding))
         nnx.update(obj, state)
 
 

@@ -197,6 +197,8 @@ class Guard:
             rep.append(count)
         state = [v.get_raw_value() for v in self.unique]
         ours = len(state) == len(self.written) and all(map(operator.is_, state, self.written))
-        if not ours and not all(map(is_mirrored, state)):
+        if ours:
+            return self.written, split, rep  # the very arrays the last step wrote
+        if not all(map(is_mirrored, state)):
             return None
         return state, split, rep

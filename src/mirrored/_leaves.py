@@ -43,3 +43,13 @@ def type_kind(kind: type) -> str:
 def is_leaf(x: Any) -> bool:
     """Variables and PerReplica values are leaves: the former are read and written back."""
     return type_kind(type(x)) in "vp"
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` is an array of typed random keys (what nnx.Rngs and Dropout hold)."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def raw_array(x: Any) -> Any:
+    """`x`, or for random keys their raw key data: what NumPy can hold, compare and save."""
+    return jax.random.key_data(x) if is_key(x) else x

@@ -228,7 +228,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(
-        self, cluster_resolver: ClusterResolver | None = None, *, max_in_flight: int = 2
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        *,
+        max_in_flight: int = 2,
+        donate: bool = True,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         if resolver is not None and resolver.num_processes > 1:
@@ -239,7 +243,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             coordinator_address="", num_processes=1, process_id=0
         )
         devices = jax.devices()
-        super().__init__(devices, max_in_flight=max_in_flight)
+        super().__init__(devices, max_in_flight=max_in_flight, donate=donate)
         if self.is_chief:
             logger.info(
                 "MultiWorkerMirroredStrategy: %d replica(s) in %d process(es): %s",

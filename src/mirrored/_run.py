@@ -105,7 +105,7 @@ class _Program:
 class Runner:
     """Compiles and calls `fn` once per replica, for one strategy."""
 
-    def __init__(self, strategy: Strategy, *, max_in_flight: int) -> None:
+    def __init__(self, strategy: Strategy, *, max_in_flight: int, donate: bool = True) -> None:
         self._strategy = strategy
         self._mesh = strategy._mesh
         self._devices = frozenset(strategy.extended.worker_devices)
@@ -115,6 +115,7 @@ class Runner:
         self._sharding_ok: dict[Any, bool] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._max_in_flight = max_in_flight
+        self._donate = donate
         self._logged = False
 
     # -- validation ---------------------------------------------------------------------------
@@ -242,13 +243,16 @@ class Runner:
             # Fast path: the state's structure is as last time; only the batch is flattened.
             inputs = guard.inputs(args, kwargs, self._check_split, self.is_mirrored)
             if inputs is not None:
-                return self._call(guard.program, guard, *inputs)
+                state, split, rep = inputs
+                if state is not guard.written:  # changed since the last step: maybe aliased
+                    state = self._own_buffers(state)
+                return self._call(guard.program, guard, state, split, rep)
         program, sorted_ = self._program_for(fn, args, kwargs)
         guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
         self._guards[fn] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        return self._call(program, guard, sorted_.state, *sorted_.with_mask())
+        return self._call(program, guard, self._own_buffers(sorted_.state), *sorted_.with_mask())
 
     def _program_for(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
@@ -319,6 +323,22 @@ class Runner:
             ],
         )
 
+    def _own_buffers(self, state: list[jax.Array]) -> list[jax.Array]:
+        """The state with every array held once: a donated buffer must have one owner.
+
+        Two variables may hold one array (`nnx.clone`, `target.kernel[...] = model.kernel[...]`,
+        tied EMA or target networks); donating it twice would crash the runtime. The second
+        holder gets a copy.
+        """
+        if not self._donate or len({id(x) for x in state}) == len(state):
+            return state
+        seen: set[int] = set()
+        owned = []
+        for x in state:
+            owned.append(jnp.copy(x) if id(x) in seen else x)
+            seen.add(id(x))
+        return owned
+
     def _bound_dispatch(self, token: jax.Array) -> None:
         # Simulated CPU devices deadlock in collectives when too many steps are queued; real
         # accelerators gain nothing from a deeper queue either.
@@ -350,6 +370,11 @@ class Runner:
             for leaf, kind in zip(leaves, kinds, strict=True)
         ]
         var_treedefs = [jax.tree.structure(v) for v in unique]
+        # NNX random streams (nnx.Rngs, Dropout): each replica draws from its own key.
+        rng_slots = [i for i, v in enumerate(unique) if isinstance(v, nnx.RngKey)]
+        # BatchNorm's moving statistics, updated from each replica's own batch statistics,
+        # are averaged across replicas before they are written back (TensorFlow's rule).
+        stat_slots = [i for i, v in enumerate(unique) if isinstance(v, nnx.BatchStat)]
         fn_name = getattr(fn, "__name__", type(fn).__name__)
         recorded: dict[str, Any] = {}
 
@@ -358,7 +383,8 @@ class Runner:
             if masked:
                 mask, count = split[-1], rep[-1]
                 split, rep = split[:-1], rep[:-1]
-            fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, state, strict=True)]
+            inner = _replica_keys(state, rng_slots)
+            fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
             split_it, rep_it = iter(split), iter(rep)
             rebuilt = []
             for kind, payload in plan:
@@ -386,6 +412,12 @@ class Runner:
             finally:
                 _context.exit_replica(token)
             new_state = [v.get_raw_value() for v in fresh]
+            for i in rng_slots:  # an unchanged stream keeps its mirrored key; its count moves on
+                if new_state[i] is inner[i]:
+                    new_state[i] = state[i]
+            for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
+                if _context.is_varying(new_state[i]):
+                    new_state[i] = jax.lax.pmean(new_state[i], REPLICA_AXIS)
             for variable, value in zip(unique, new_state, strict=True):
                 if _context.is_varying(value):
                     raise _diverged_error(fn_name, args, kwargs, variable)
@@ -420,7 +452,7 @@ class Runner:
         jax.eval_shape(program(None, SPLIT), state, split, rep)
         out_treedef, varying, per_example = recorded["out"]
         out_specs = [SPLIT if v else REPLICATED for v in varying]
-        call = jax.jit(program(varying, out_specs), donate_argnums=0)
+        call = jax.jit(program(varying, out_specs), donate_argnums=0 if self._donate else ())
         if not self._logged:
             self._log_first_program(fn_name, call, state, split, rep)
         return _Program(
@@ -442,6 +474,22 @@ class Runner:
             count,
             self._n,
         )
+
+
+def _replica_keys(state: list[Any], slots: list[int]) -> list[Any]:
+    """The state with each random key folded with this replica's id.
+
+    Every replica then draws its own dropout masks (TensorFlow's per-replica randomness), and
+    each step draws new ones (the stream's mirrored count advances). The numbers depend on
+    the seed and the replica count: a run is reproducible for both.
+    """
+    if not slots:
+        return state
+    replica = jax.lax.axis_index(REPLICA_AXIS)
+    inner = list(state)
+    for i in slots:
+        inner[i] = jax.random.fold_in(state[i], replica)
+    return inner
 
 
 loss_logger = logging.getLogger("mirrored.loss")
@@ -532,9 +580,11 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         f"{fn_name!r} wrote a value into the mirrored variable {name} that differs between "
         "replicas (it was computed from this replica's shard of the batch). Mirrored state must "
         "stay identical on every replica, or the replicas silently drift apart.\n"
-        "Fix: aggregate before assigning, e.g.\n"
+        "Fix: combine the replicas' values before assigning, with the reduction that fits:\n"
         "  ctx = mirrored.get_replica_context()\n"
-        "  variable[...] = ctx.all_reduce('MEAN', local_statistic)\n"
-        "Gradients of a loss from mirrored.compute_average_loss need no such step: they are "
-        "already summed over replicas."
+        "  total[...] = total[...] + ctx.all_reduce('SUM', local_sum)    # counters, sums\n"
+        "  stat[...] = ctx.all_reduce('MEAN', local_statistic)           # averages\n"
+        "or keep per-replica running values out of the model: return them from the step and "
+        "combine them with strategy.reduce. BatchNorm's nnx.BatchStat statistics are averaged "
+        "for you; gradients of a loss from mirrored.compute_average_loss are already summed."
     )

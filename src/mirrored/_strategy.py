@@ -130,7 +130,11 @@ class Extended:
 class Strategy:
     """Synchronous data parallelism over a fixed set of devices, one replica per device."""
 
-    def __init__(self, devices: Sequence[jax.Device], *, max_in_flight: int = 2) -> None:
+    def __init__(
+        self, devices: Sequence[jax.Device], *, max_in_flight: int = 2, donate: bool = True
+    ) -> None:
+        if not isinstance(donate, bool):
+            raise TypeError(f"Expected donate to be True or False; found {donate!r}.")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(
                 f"Expected max_in_flight to be a positive int; found {max_in_flight!r}. "
@@ -140,7 +144,7 @@ class Strategy:
         self._mesh = _mesh.make_mesh(devices)
         self._replicated = _mesh.replicated(self._mesh)
         self._split = _mesh.split(self._mesh)
-        self._runner = Runner(self, max_in_flight=max_in_flight)
+        self._runner = Runner(self, max_in_flight=max_in_flight, donate=donate)
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -450,6 +454,9 @@ class MirroredStrategy(Strategy):
         devices: devices to mirror on — ``"/gpu:0"``, ``"gpu:0"``, ``"/cpu:3"``, ints or
             `jax.Device`s. None (the default) takes every local device of the default backend.
         max_in_flight: how many steps may be queued on the devices before the host waits.
+        donate: let each step reuse the previous state's device memory (the default; an
+            array read out of a variable before a step is deleted by it). `False` keeps such
+            arrays valid, at the cost of holding two copies of the state during a step.
 
     Example:
         >>> strategy = mirrored.MirroredStrategy()
@@ -458,10 +465,14 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(
-        self, devices: Sequence[DeviceLike] | None = None, *, max_in_flight: int = 2
+        self,
+        devices: Sequence[DeviceLike] | None = None,
+        *,
+        max_in_flight: int = 2,
+        donate: bool = True,
     ) -> None:
         resolved = resolve_devices(devices)
-        super().__init__(resolved, max_in_flight=max_in_flight)
+        super().__init__(resolved, max_in_flight=max_in_flight, donate=donate)
         logger.info(
             "%s: %d replica(s) on %s",
             type(self).__name__,
@@ -477,9 +488,9 @@ class OneDeviceStrategy(Strategy):
         >>> strategy = mirrored.OneDeviceStrategy("/cpu:0")
     """
 
-    def __init__(self, device: DeviceLike, *, max_in_flight: int = 2) -> None:
+    def __init__(self, device: DeviceLike, *, max_in_flight: int = 2, donate: bool = True) -> None:
         resolved = resolve_device(device)
-        super().__init__([resolved], max_in_flight=max_in_flight)
+        super().__init__([resolved], max_in_flight=max_in_flight, donate=donate)
         logger.info("OneDeviceStrategy on %s", device_name(resolved))
 
 

@@ -23,6 +23,7 @@ from flax import nnx
 
 from mirrored._capture import is_state
 from mirrored._devices import device_name
+from mirrored._leaves import raw_array
 from mirrored._run import ReplicaDivergenceError
 from mirrored._values import PerReplica, is_per_replica
 
@@ -192,7 +193,7 @@ def check_collectives(hlo_text: str, num_replicas: int) -> Check:
 def check_in_sync(arrays: dict[str, jax.Array]) -> Check:
     """Every device holds bit-identical copies of every mirrored array."""
     for name, array in arrays.items():
-        shards = [np.asarray(s.data) for s in array.addressable_shards]
+        shards = [np.asarray(raw_array(s.data)) for s in array.addressable_shards]
         first = shards[0]
         for shard in shards[1:]:
             if shard.tobytes() != first.tobytes():
