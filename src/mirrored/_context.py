@@ -119,7 +119,7 @@ class ReplicaContext:
         return self._batch_is_split
 
     def mark_replica_aware(self) -> None:
-        """Note that the step scaled a loss for the sum over replicas (compute_average_loss)."""
+        """Note that the step scaled a loss for the sum over replicas, or combined them itself."""
         self.replica_aware = True
 
     @property
@@ -159,7 +159,7 @@ class ReplicaContext:
         op = ReduceOp.parse(reduce_op)
         if not self._in_spmd:
             return value
-        self.replica_aware = True  # the step combines replicas itself
+        self.mark_replica_aware()  # the step combines replicas itself
         reduce = {
             ReduceOp.SUM: jax.lax.psum,
             ReduceOp.MEAN: jax.lax.pmean,

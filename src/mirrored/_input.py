@@ -355,7 +355,8 @@ def _each_epoch(
     return each
 
 
-def _length(source: Any) -> int | None:
+def source_length(source: Any) -> int | None:
+    """`len(source)`, or None for a source of unknown (or infinite) length."""
     try:
         return len(source)
     except TypeError:  # unknown or infinite (tf.data raises TypeError too)
@@ -425,7 +426,7 @@ def distribute_dataset(
         _each_epoch(
             dataset, lambda source: iterable_batches(source, num_replicas=n, processes=processes)
         ),
-        length=_length(dataset),
+        length=source_length(dataset),
         options=options,
     )
 
@@ -443,7 +444,7 @@ def distribute_from_function(
             f"{type(dataset).__name__}. Fix: return a dataset batched with "
             "input_context.get_per_replica_batch_size(global_batch_size)."
         )
-    length = _length(dataset)
+    length = source_length(dataset)
     local_replicas = n // processes[0]
     return DistributedDataset(
         strategy,

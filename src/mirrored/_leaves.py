@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -32,8 +31,6 @@ def type_kind(kind: type) -> str:
             known = "a"
         elif issubclass(kind, np.ndarray | np.generic | float | complex):
             known = "c"
-        elif issubclass(kind, numbers.Number):
-            known = "x"
         else:
             known = "x"
         _TYPE_KINDS[kind] = known

@@ -300,23 +300,20 @@ class Runner:
             guard.written = new_state
             self._bound_dispatch(token)
         n = self._n
-        if not program.any_masked:
-            return jax.tree.unflatten(
-                program.out_treedef,
-                [
-                    PerReplica(x, num_replicas=n, stacked=True) if stacked else x
-                    for x, stacked in zip(outs, program.out_stacked, strict=True)
-                ],
-            )
-        mask, count = split[-1], rep[-1]  # a masked program takes them last
+        # Outputs per example of a padded batch carry its mask (a masked program takes it last).
+        mask, count = (split[-1], rep[-1]) if program.any_masked else (None, None)
         return jax.tree.unflatten(
             program.out_treedef,
             [
-                x
-                if not stacked
-                else PerReplica(x, num_replicas=n, stacked=True, mask=mask, count=count)
-                if masked
-                else PerReplica(x, num_replicas=n, stacked=True)
+                PerReplica(
+                    x,
+                    num_replicas=n,
+                    stacked=True,
+                    mask=mask if masked else None,
+                    count=count if masked else None,
+                )
+                if stacked
+                else x
                 for x, stacked, masked in zip(
                     outs, program.out_stacked, program.out_masked, strict=True
                 )

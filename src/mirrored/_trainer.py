@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 from mirrored import _checkpoint, _context, _objectives
-from mirrored._input import DistributedDataset
+from mirrored._input import DistributedDataset, source_length
 from mirrored._losses import compute_average_loss, weighted_losses
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._run import peer_failures
@@ -386,7 +386,7 @@ class Trainer:
         )
         # Keras: without steps_per_epoch, an epoch is one pass; for a source of unknown length
         # that is "until it runs out".
-        steps: int | None = steps_per_epoch if steps_per_epoch is not None else _length(train)
+        steps: int | None = steps_per_epoch if steps_per_epoch is not None else source_length(train)
         history = History()
         progress = [ProgbarLogger(verbose)] if verbose else []
         callback_list = CallbackList([history, *progress, *callbacks])
@@ -546,13 +546,6 @@ class Trainer:
             for out in outputs
         ]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
-
-
-def _length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:  # a source of unknown length
-        return None
 
 
 def _check_batch_size(batch_size: Any) -> None:
