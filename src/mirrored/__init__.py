@@ -1,7 +1,12 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
-from mirrored import callbacks, losses, mixed_precision
-from mirrored._checkpoint import restore_checkpoint, save_checkpoint
+from mirrored import callbacks, layers, losses, mixed_precision
+from mirrored._checkpoint import (
+    checkpoint_extras,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from mirrored._context import ReplicaContext
 from mirrored._input import DistributedDataset, InputContext, InputOptions
 from mirrored._losses import compute_average_loss, scale_regularization_loss
@@ -52,11 +57,14 @@ __all__ = [
     "Trainer",
     "ValueContext",
     "callbacks",
+    "checkpoint_extras",
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "latest_checkpoint",
+    "layers",
     "losses",
     "mixed_precision",
     "restore_checkpoint",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored import _capture, _context, _fastpath
+from mirrored import _capture, _context, _fastpath, layers
 from mirrored._leaves import is_leaf as _is_leaf
 from mirrored._leaves import type_kind as _type_kind
 from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
@@ -269,7 +269,8 @@ class Runner:
             )
         masked = sorted_.mask is not None
         statics = tuple((type(x), x) for x in sorted_.statics)  # True and 1 differ
-        key = (fn, treedef, signature, statics, sharing, masked)
+        # `verify` traces BatchNorm on global statistics: a program of its own.
+        key = (fn, treedef, signature, statics, sharing, masked, layers.synchronizing())
         program = self._programs.get(key)
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
@@ -405,7 +406,9 @@ class Runner:
             )
             token = _context.enter_replica(ctx)
             try:
-                out = fn(*call_args, **call_kwargs)
+                # A padded batch: BatchNorm's batch statistics leave the padded rows out.
+                with layers.masked_batch_norm() if masked else contextlib.nullcontext():
+                    out = fn(*call_args, **call_kwargs)
             finally:
                 _context.exit_replica(token)
             new_state = [v.get_raw_value() for v in fresh]
@@ -414,7 +417,7 @@ class Runner:
                     new_state[i] = state[i]
             for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
                 if _context.is_varying(new_state[i]):
-                    new_state[i] = jax.lax.pmean(new_state[i], REPLICA_AXIS)
+                    new_state[i] = _mean_over_replicas(new_state[i], mask)
             for variable, value in zip(unique, new_state, strict=True):
                 if _context.is_varying(value):
                     raise _diverged_error(fn_name, args, kwargs, variable)
@@ -471,6 +474,16 @@ class Runner:
             count,
             self._n,
         )
+
+
+def _mean_over_replicas(value: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """The mean across replicas of a moving statistic; replicas with no real row left out."""
+    if mask is None or not jnp.issubdtype(value.dtype, jnp.inexact):
+        return jax.lax.pmean(value, REPLICA_AXIS)
+    real = mask.any()
+    total = jax.lax.psum(jnp.where(real, value, jnp.zeros_like(value)), REPLICA_AXIS)
+    replicas = jax.lax.psum(real.astype(value.dtype), REPLICA_AXIS)
+    return total / jnp.maximum(replicas, 1)
 
 
 def _replica_keys(state: list[Any], slots: list[int]) -> list[Any]:

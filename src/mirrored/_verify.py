@@ -21,9 +21,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mirrored import layers
 from mirrored._capture import is_state
 from mirrored._devices import device_name
-from mirrored._leaves import raw_array
+from mirrored._leaves import is_key, raw_array
 from mirrored._run import ReplicaDivergenceError
 from mirrored._values import PerReplica, is_per_replica
 
@@ -375,11 +376,29 @@ def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) 
     """Fresh copies of the NNX objects in `args`, their arrays placed by `place`."""
     positions = [i for i, a in enumerate(args) if is_state(a)]
     graphdef, state = nnx.split(tuple(args[i] for i in positions))
-    state = jax.tree.map(lambda a: place(np.asarray(a)), state)
+
+    def copy(a: Any) -> Any:
+        if is_key(a):  # random keys travel as their raw key data
+            return jax.random.wrap_key_data(
+                place(np.asarray(raw_array(a))), impl=jax.random.key_impl(a)
+            )
+        return place(np.asarray(a))
+
+    state = jax.tree.map(copy, state)
     copies = list(args)
     for i, obj in zip(positions, nnx.merge(graphdef, state), strict=True):  # type: ignore[arg-type]
         copies[i] = obj
     return [_move_batch(a, strategy) if isinstance(a, PerReplica) else a for a in copies]
+
+
+def _deterministic(args: list[Any]) -> list[Any]:
+    """The copies with every `nnx.Dropout` off: N replicas cannot draw one device's masks."""
+    for arg in args:
+        if is_state(arg):
+            for _, node in nnx.iter_graph(arg):
+                if isinstance(node, nnx.Dropout):
+                    node.deterministic = True
+    return args
 
 
 def _take(value: PerReplica, rows: int) -> PerReplica:
@@ -506,10 +525,15 @@ def verify(
     single = MirroredStrategy(devices[:1])
     try:
         before = _params(args)
-        ours = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
-        strategy.run(step_fn, args=ours)
-        theirs = _copy_args(args, lambda a: jax.device_put(a, single._replicated), single)
-        single.run(step_fn, args=theirs)
+        ours = _deterministic(_copy_args(args, lambda a: jax.device_put(a, replicated), strategy))
+        theirs = _deterministic(
+            _copy_args(args, lambda a: jax.device_put(a, single._replicated), single)
+        )
+        # TensorFlow's per-replica BatchNorm statistics differ from one device's by design;
+        # synchronised, any difference left is the step's own.
+        with layers.synchronized_batch_norm():
+            strategy.run(step_fn, args=ours)
+            single.run(step_fn, args=theirs)
         after_ours, after_theirs = _params(ours), _params(theirs)
         checks.append(
             check_equivalence(

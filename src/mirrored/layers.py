@@ -1,0 +1,219 @@
+"""Layers whose numbers depend on the replicas: TensorFlow's synchronized BatchNorm.
+
+`SyncBatchNorm` is `tf.keras.layers.BatchNormalization(synchronized=True)`: in training, its
+batch statistics cover the GLOBAL batch (every replica's real rows), so N replicas train
+exactly as one device on the whole batch. Plain `nnx.BatchNorm` keeps TensorFlow's default:
+statistics from each replica's own rows, moving statistics averaged across replicas.
+
+Under both, the padded rows of a ragged batch never enter the batch statistics.
+
+Example:
+    >>> class Net(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.dense = nnx.Linear(4, 8, rngs=rngs)
+    ...         self.norm = mirrored.layers.SyncBatchNorm(8, rngs=rngs)
+    ...     def __call__(self, x):
+    ...         return self.norm(self.dense(x))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mirrored import _context
+from mirrored._mesh import REPLICA_AXIS
+
+__all__ = ["SyncBatchNorm"]
+
+
+def _axes(rank: int, axes: Any) -> tuple[int, ...]:
+    axes = axes if isinstance(axes, tuple | list) else (axes,)
+    return tuple(sorted({a + rank if a < 0 else a for a in axes}))
+
+
+def _example_mask(x: Any, reduction_axes: tuple[int, ...]) -> Any:
+    """This replica's real-row mask, shaped to broadcast against `x`, or None when unpadded."""
+    ctx = _context.current_replica_context()
+    mask = None if ctx is None else ctx.example_mask
+    if mask is None or 0 not in reduction_axes or x.ndim == 0 or x.shape[0] != mask.shape[0]:
+        return None
+    return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+
+
+def _statistics(
+    x: Any, reduction_axes: tuple[int, ...], mask: Any, dtype: Any, synchronized: bool
+) -> tuple[Any, Any]:
+    """Mean and variance over the real rows (of every replica when `synchronized`).
+
+    Sums, sums of squares and counts are all-reduced in one collective, so replicas holding
+    different numbers of real rows weigh each row once (averaging per-replica means would not).
+    A replica with no real row at all uses its padded rows locally (copies of real rows, so
+    finite) rather than divide by zero.
+    """
+    dtype = jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
+    x = jnp.asarray(x, dtype)
+    weight = jnp.ones(x.shape, dtype)
+    if mask is not None:
+        weight = weight * jnp.asarray(mask, dtype)
+    sums = jnp.stack([(x * weight).sum(reduction_axes), (x * x * weight).sum(reduction_axes)])
+    count = weight.sum(reduction_axes)
+    if synchronized:
+        if not _context.is_varying(count):  # no mask: every replica counts its own rows
+            count = jax.lax.pcast(count, REPLICA_AXIS, to="varying")
+        sums, count = jax.lax.psum((sums, count), REPLICA_AXIS)
+    elif mask is not None:  # an all-padding replica falls back on its (finite) padded rows
+        empty = count == 0
+        dense = jnp.stack([x.sum(reduction_axes), (x * x).sum(reduction_axes)])
+        sums = jnp.where(empty, dense, sums)
+        count = jnp.where(empty, jnp.asarray(x.size // count.size, dtype), count)
+    safe = jnp.maximum(count, 1)
+    mean, mean_sq = sums[0] / safe, sums[1] / safe
+    # E[x²] - E[x]² (Flax's and TensorFlow's fast variance) can round below zero.
+    return mean, jnp.maximum(0.0, mean_sq - mean * mean)
+
+
+def batch_norm(
+    layer: nnx.BatchNorm,
+    x: Any,
+    use_running_average: bool | None,
+    mask: Any,
+    *,
+    synchronized: bool,
+) -> Any:
+    """`nnx.BatchNorm.__call__` with padded rows masked out (and global statistics if asked)."""
+    if use_running_average is None:
+        use_running_average = layer.use_running_average
+    if use_running_average is None:
+        raise ValueError(
+            f"Expected use_running_average for {type(layer).__name__}; found None in the call "
+            "and the constructor. Fix: pass use_running_average=True/False to either, or call "
+            "model.train() / model.eval()."
+        )
+    feature_axes = _axes(x.ndim, layer.axis)
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    scale = layer.scale[...] if layer.scale is not None else None
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, mean, var, scale, bias = layer.promote_dtype(
+        (x, layer.mean[...], layer.var[...], scale, bias), dtype=layer.dtype
+    )
+    if not use_running_average:
+        rows = _example_mask(x, reduction_axes)
+        if rows is not None:
+            mask = rows if mask is None else jnp.logical_and(mask, rows)
+        mean, var = _statistics(x, reduction_axes, mask, layer.dtype, synchronized)
+        momentum = layer.momentum
+        layer.mean[...] = jax.lax.stop_gradient(momentum * layer.mean[...] + (1 - momentum) * mean)
+        layer.var[...] = jax.lax.stop_gradient(momentum * layer.var[...] + (1 - momentum) * var)
+    feature_shape = [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
+    y = x - mean.reshape(feature_shape)
+    mul = jax.lax.rsqrt(var.reshape(feature_shape) + layer.epsilon)
+    parts = [x]
+    if scale is not None:
+        mul = mul * scale.reshape(feature_shape)
+        parts.append(scale)
+    y = y * mul
+    if bias is not None:
+        y = y + bias.reshape(feature_shape)
+        parts.append(bias)
+    return jnp.asarray(y, layer.dtype if layer.dtype is not None else jnp.result_type(*parts))
+
+
+class SyncBatchNorm(nnx.BatchNorm):
+    """BatchNorm whose training statistics cover the global batch (TensorFlow's
+    `BatchNormalization(synchronized=True)`, formerly `SyncBatchNormalization`).
+
+    Takes `nnx.BatchNorm`'s arguments. Inside `strategy.run` and `Trainer.fit`, the mean and
+    variance are computed over every replica's real rows with one all-reduce, so N-replica
+    training equals single-device training on the same global batches; elsewhere (a plain
+    call, one device) it is `nnx.BatchNorm`. Moving statistics are then identical on every
+    replica without averaging.
+
+    Example:
+        >>> self.norm = mirrored.layers.SyncBatchNorm(64, momentum=0.9, rngs=rngs)
+    """
+
+    def __init__(self, num_features: int, **kwargs: Any) -> None:
+        axis_name = kwargs.pop("axis_name", None)
+        if axis_name not in (None, REPLICA_AXIS) or kwargs.get("axis_index_groups") is not None:
+            raise ValueError(
+                f"Expected SyncBatchNorm to synchronise over all replicas; found axis_name="
+                f"{axis_name!r}, axis_index_groups={kwargs.get('axis_index_groups')!r}. Fix: "
+                "leave both unset (SyncBatchNorm always uses every replica in sync)."
+            )
+        super().__init__(num_features, **kwargs)
+
+    def __call__(self, x: Any, use_running_average: bool | None = None, *, mask: Any = None) -> Any:
+        ctx = _context.current_replica_context()
+        synchronized = ctx is not None and ctx.in_spmd
+        return batch_norm(self, x, use_running_average, mask, synchronized=synchronized)
+
+
+_flax_call = nnx.BatchNorm.__call__
+_patch_lock = threading.Lock()
+_patch_depth = 0
+
+
+def _masked_call(
+    self: nnx.BatchNorm, x: Any, use_running_average: bool | None = None, *, mask: Any = None
+) -> Any:
+    if self.axis_index_groups is not None or self.axis_name not in (None, REPLICA_AXIS):
+        return _flax_call(self, x, use_running_average, mask=mask)
+    ctx = _context.current_replica_context()
+    synchronized = (self.axis_name == REPLICA_AXIS or _synchronize_all.get()) and (
+        ctx is not None and ctx.in_spmd
+    )
+    return batch_norm(self, x, use_running_average, mask, synchronized=synchronized)
+
+
+_synchronize_all: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "mirrored_synchronize_batch_norm", default=False
+)
+
+
+def synchronizing() -> bool:
+    """Whether `synchronized_batch_norm` is on (programs traced under it differ)."""
+    return _synchronize_all.get()
+
+
+@contextlib.contextmanager
+def synchronized_batch_norm() -> Iterator[None]:
+    """While a step is traced, every `nnx.BatchNorm` computes global-batch statistics.
+
+    `verify` compares an N-replica step with a single-device one this way: TensorFlow's
+    per-replica statistics differ from one device's by design, not by a bug.
+    """
+    token = _synchronize_all.set(True)
+    try:
+        with masked_batch_norm():
+            yield
+    finally:
+        _synchronize_all.reset(token)
+
+
+@contextlib.contextmanager
+def masked_batch_norm() -> Iterator[None]:
+    """While a padded batch's step is traced, `nnx.BatchNorm` leaves padded rows out.
+
+    Flax's own `mask=` averages per-replica means when synchronised and divides by zero on
+    a replica with no real rows, so the statistics are computed here instead.
+    """
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            nnx.BatchNorm.__call__ = _masked_call  # type: ignore[method-assign]
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                nnx.BatchNorm.__call__ = _flax_call  # type: ignore[method-assign]

@@ -1,0 +1,231 @@
+"""BatchNorm under replicas (issues 13 and 18): TensorFlow's per-replica statistics, the
+synchronized mode equal to one device, and padded rows never in the batch statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import assert_bit_identical_on_devices
+
+
+class Net(nnx.Module):
+    def __init__(self, norm="plain", seed=0):
+        rngs = nnx.Rngs(seed)
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        cls = {"plain": nnx.BatchNorm, "sync": mirrored.layers.SyncBatchNorm}[norm]
+        self.bn = cls(4, momentum=0.9, rngs=rngs)
+        self.ln = nnx.LayerNorm(4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.ln(jax.nn.relu(self.bn(self.dense(x)))))
+
+
+def step(model, optimizer, x, y):
+    def loss_fn(model):
+        per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+        return mirrored.compute_average_loss(per_example)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def single_device_reference(batches, norm="plain"):
+    """Plain JAX, no strategy: one device on each whole global batch."""
+    model = Net(norm)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, grads)
+
+    for x, y in batches:
+        ref_step(model, optimizer, jnp.asarray(x), jnp.asarray(y))
+    return model
+
+
+def data(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        x = (
+            rng.normal(size=(n, 3)).astype(np.float32)
+            * np.linspace(1, 3, n, dtype=np.float32)[:, None]
+        )
+        out.append((x, rng.integers(0, 2, n).astype(np.int32)))
+    return out
+
+
+def train(strategy, batches, norm):
+    with strategy.scope():
+        model = Net(norm)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    # Each global batch distributed as it is: ragged ones padded, replicas left empty by 5.
+    for dist in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(model, optimizer, *dist))
+    return model
+
+
+def _max_diff(a, b):
+    fa, fb = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
+    return max(
+        float(np.max(np.abs(np.asarray(va.get_value()) - np.asarray(vb.get_value()))))
+        for (_, va), (_, vb) in zip(fa, fb, strict=True)
+        if jnp.issubdtype(va.get_value().dtype, jnp.floating)
+    )
+
+
+# Global batches of 16, 13 (ragged: padded to 16 on 8 replicas) and 5 (replicas left empty).
+SIZES = (16, 13, 5, 16)
+
+
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_sync_batchnorm_on_n_replicas_equals_one_device_ragged_batches_included(replicas):
+    batches = data(SIZES)
+    expected = single_device_reference(batches)
+    model = train(mirrored.MirroredStrategy(jax.devices()[:replicas]), batches, "sync")
+    assert _max_diff(model, expected) <= 1e-5
+    assert_bit_identical_on_devices(model)
+
+
+def test_sync_batchnorm_through_fit_equals_one_device():
+    x, y = data((21,), seed=1)[0]  # 21 examples at batch 8: 8, 8 and a ragged 5
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 21, 8)]
+    expected = single_device_reference(batches)
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = Net("sync")
+        trainer = mirrored.Trainer(
+            model, optax.sgd(0.5), loss="sparse_categorical_crossentropy", from_logits=True
+        )
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(model, expected) <= 1e-5
+
+
+def _replica_rows(strategy, x):
+    """Each replica's real rows of the distributed batch (padding dropped), as TensorFlow's."""
+    full = np.zeros((16, 3), np.float32)  # a first batch of fewer than 8 would be refused
+    (_, dist) = list(strategy.experimental_distribute_dataset([(full,), (x,)]))
+    return dist[0], [np.asarray(r) for r in strategy.experimental_local_results(dist[0])]
+
+
+@pytest.mark.parametrize("rows", [16, 13, 5])
+def test_plain_batchnorm_uses_each_replicas_real_rows_and_averages_moving_statistics(rows):
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    x = data((rows,), seed=2)[0][0]
+    with strategy.scope():
+        bn = nnx.BatchNorm(3, momentum=0.9, rngs=nnx.Rngs(0))
+    dist, local = _replica_rows(strategy, x)
+    out = strategy.run(lambda bn, x: bn(x), args=(bn, dist))
+    real = [r for r in local if len(r)]  # replicas holding no real row leave the average
+    np.testing.assert_allclose(
+        np.asarray(bn.mean[...]), 0.1 * np.mean([r.mean(0) for r in real], 0), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(bn.var[...]), 0.9 + 0.1 * np.mean([r.var(0) for r in real], 0), rtol=1e-5
+    )
+    # Each replica normalises its real rows with their own statistics.
+    for got, r in zip(strategy.experimental_local_results(out), local, strict=True):
+        if len(r):
+            np.testing.assert_allclose(
+                np.asarray(got), (r - r.mean(0)) / np.sqrt(r.var(0) + 1e-5), rtol=1e-4, atol=1e-5
+            )
+    assert np.isfinite(np.asarray(bn.mean[...])).all()
+    assert_bit_identical_on_devices(bn)
+
+
+def test_padded_rows_do_not_move_batch_statistics_even_when_extreme(monkeypatch):
+    """Padded rows are copies of real ones; make them 1e6 instead: no statistic moves."""
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    full, x = data((16,), seed=3)[0][0], data((13,), seed=3)[0][0]
+    pad_to = mirrored._batching.pad_to
+
+    def poisoned(leaves, rows, size, fill=None):
+        return [
+            np.where(np.arange(size)[:, None] < rows, a, 1e6)
+            for a in pad_to(leaves, rows, size, fill)
+        ]
+
+    results = {}
+    for norm in ("plain", "sync"):
+        for poison in (False, True):
+            if poison:
+                monkeypatch.setattr(mirrored._batching, "pad_to", poisoned)
+            with strategy.scope():
+                model = Net(norm)
+            (_, (xb,)) = list(strategy.experimental_distribute_dataset([(full,), (x,)]))
+            out = strategy.run(lambda m, x: m(x), args=(model, xb))
+            results[norm, poison] = (
+                np.asarray(model.bn.mean[...]),
+                np.asarray(strategy.gather(out, 0)),
+            )
+            monkeypatch.undo()
+    for norm in ("plain", "sync"):
+        for clean, poisoned_ in zip(results[norm, False], results[norm, True], strict=True):
+            np.testing.assert_array_equal(clean, poisoned_)
+
+
+def test_sync_batchnorm_outside_run_is_plain_batchnorm():
+    x = data((6,), seed=4)[0][0]
+    plain, sync = Net("plain"), Net("sync")
+    np.testing.assert_allclose(np.asarray(sync(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sync.bn.var[...]), np.asarray(plain.bn.var[...]))
+    sync.eval()
+    assert np.isfinite(np.asarray(sync(x))).all()
+
+
+def test_sync_batchnorm_refuses_another_axis():
+    with pytest.raises(ValueError, match="axis_name='data'.*Fix: leave both unset"):
+        mirrored.layers.SyncBatchNorm(4, axis_name="data", rngs=nnx.Rngs(0))
+
+
+class Regularised(Net):
+    def __init__(self, norm="plain"):
+        super().__init__(norm)
+        self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.out(self.dropout(self.ln(jax.nn.relu(self.bn(self.dense(x))))))
+
+
+@pytest.mark.parametrize("norm", ["plain", "sync"])
+def test_verify_raises_no_false_alarm_for_batchnorm_and_dropout(norm):
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = Regularised(norm)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    x, y = data((13,), seed=5)[0]
+    full = data((16,), seed=5)[0]
+    (_, batch) = list(strategy.experimental_distribute_dataset([full, (x, y)]))
+    report = mirrored.verify(strategy, step, (model, optimizer, *batch), steps=2)
+    assert report.ok, report.to_json()
+    assert report["Single-device equivalence"].status == "PASS"
+    assert report["Replicas in sync"].status == "PASS"
+    assert not model.dropout.deterministic  # verify changed copies only
+
+
+def test_verify_still_catches_a_wrongly_scaled_step_with_batchnorm():
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = Regularised("plain")
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    def per_replica_mean_step(model, optimizer, x, y):  # the N× trap
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    (batch,) = list(strategy.experimental_distribute_dataset([data((16,), seed=6)[0]]))
+    report = mirrored.verify(strategy, per_replica_mean_step, (model, optimizer, *batch))
+    check = report["Single-device equivalence"]
+    assert check.status == "FAIL" and "8.0× too large" in check.summary
