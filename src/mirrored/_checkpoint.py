@@ -3,15 +3,19 @@
 State is saved as host arrays keyed by variable path, so a checkpoint written by 8 replicas is
 placed onto 2 (or 1) when restored. Each save is a new Orbax step directory that becomes
 visible only when complete; older steps are deleted after it, so a crash mid-save leaves the
-previous checkpoint usable.
+previous checkpoint usable. Extra values (an epoch, a position in the data) are saved in the
+same step, under `extras/`, so they are complete or absent with the state they describe.
 """
 
 from __future__ import annotations
 
 import os
+import reprlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -71,6 +75,109 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
         nnx.update(obj, state)
 
 
+_EXTRAS = "extras/"
+_INT64_RANGE = range(-(2**63), 2**63)  # Orbax stores Python ints as int64
+
+
+def check_max_to_keep(max_to_keep: Any) -> None:
+    """Refuse a `max_to_keep` that is not a positive int or None."""
+    if max_to_keep is not None and (
+        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+    ):
+        raise ValueError(
+            f"Expected max_to_keep to be a positive int, or None to keep every checkpoint; "
+            f"found {max_to_keep!r}. Fix: e.g. max_to_keep=3 keeps the newest three."
+        )
+
+
+def _extra_value(name: Any, value: Any) -> Any:
+    """`value` as Orbax saves it; refuses what would not come back as it was."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(
+            f"Expected the names of extras to be Python identifiers, as the keyword names of "
+            f"tf.train.Checkpoint(epoch=...); found {name!r}. Fix: rename it, e.g. "
+            "'step_in_epoch'."
+        )
+    where = f"extras[{name!r}]"
+    if is_key(value):
+        raise TypeError(
+            f"Expected {where} to hold numbers; found an array of random keys "
+            f"({value.dtype}). Fix: save jax.random.key_data(key) and rebuild the key with "
+            "jax.random.wrap_key_data after reading it back."
+        )
+    if isinstance(value, np.ndarray | np.generic | jax.Array):
+        array = np.asarray(jax.device_get(value))
+        if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == np.bool_):
+            raise TypeError(
+                f"Expected {where} to be an array of numbers or bools; found dtype "
+                f"{array.dtype}: {reprlib.repr(value)}. Fix: save text as a Python str, "
+                "e.g. str(value), and other data as a numeric array."
+            )
+        if array.size == 0:
+            raise ValueError(
+                f"Expected {where} to be a non-empty array; found shape {array.shape} "
+                "(Orbax cannot save zero-size arrays). Fix: leave it out, or save its shape."
+            )
+        return array
+    if isinstance(value, bool | float | str):
+        return value
+    if isinstance(value, int):
+        if value not in _INT64_RANGE:
+            raise ValueError(
+                f"Expected {where} to fit in int64; found {value}. Fix: save it as a str, "
+                "str(value), and convert back with int(...)."
+            )
+        return value
+    raise TypeError(
+        f"Expected {where} to be a Python int, float, bool or str, or a NumPy or JAX array "
+        f"of numbers; found {type(value).__name__}: {reprlib.repr(value)}. Fix: convert it, "
+        "e.g. int(x), float(x), str(x) or np.asarray(x); save a dict or list as several "
+        "extras."
+    )
+
+
+def _extras_arrays(extras: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The extras as checkpoint entries under `extras/`, checked before anything is written."""
+    if extras is None:
+        return {}
+    if not isinstance(extras, Mapping):
+        raise TypeError(
+            f"Expected extras to be a dict of names to values, e.g. extras={{'epoch': 3}}; "
+            f"found {type(extras).__name__}: {reprlib.repr(extras)}. Fix: pass a dict."
+        )
+    return {_EXTRAS + name: _extra_value(name, value) for name, value in extras.items()}
+
+
+def _locate(directory: str | os.PathLike[str], step: int | None) -> tuple[str, int | None]:
+    """The checkpoint directory and step named by `directory` (and `step`).
+
+    `directory` is the one given to `save_checkpoint`, or one of its step directories (what
+    `latest_checkpoint` returns); nothing is created.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"Expected a checkpoint directory at {path}; found none. Fix: check the path, or "
+            "save a checkpoint first."
+        )
+    parent, name = os.path.split(path)
+    # A step directory holds items, not steps; a directory named "3" that holds steps (as
+    # ModelCheckpoint("ckpt/{epoch}") writes) is a checkpoint directory of its own.
+    if (
+        name.isdigit()
+        and not ocp.utils.checkpoint_steps(path)
+        and int(name) in ocp.utils.checkpoint_steps(parent)
+    ):
+        if step is not None and step != int(name):
+            raise ValueError(
+                f"Expected step to be None or {int(name)} with the step directory {path}; "
+                f"found step={step!r}. Fix: pass the directory {parent} with step={step}, "
+                "or drop step."
+            )
+        return parent, int(name)
+    return path, step
+
+
 class Checkpoints:
     """A directory of numbered checkpoints, newest kept (`max_to_keep`)."""
 
@@ -89,27 +196,48 @@ class Checkpoints:
                     primary_host=jax.process_index(), active_processes={jax.process_index()}
                 ),
             ),
+            # The format StandardSave writes, read by the handler that also holds strings and
+            # restores a subset of the keys: reading the extras does not read the model.
+            item_handlers=ocp.PyTreeCheckpointHandler(),
         )
 
     def latest(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, arrays: dict[str, np.ndarray]) -> None:
+    def save(self, step: int, arrays: Mapping[str, Any]) -> None:
         if is_chief():
-            self._manager.save(step, args=ocp.args.StandardSave(arrays), force=True)
+            self._manager.save(step, args=ocp.args.PyTreeSave(dict(arrays)), force=True)
             self._manager.wait_until_finished()
 
-    def restore(self, like: dict[str, np.ndarray], step: int | None = None) -> dict[str, Any]:
+    def _read(self, step: int | None, wanted: Callable[[str], bool]) -> dict[str, Any]:
+        """The entries of checkpoint `step` (the newest if None) whose keys are `wanted`."""
         step = self.latest() if step is None else step
         if step is None:
             raise FileNotFoundError(
                 f"Expected a checkpoint in {self.directory}; found none. Fix: check the path, "
                 "or save one first."
             )
-        # Restore what is on disk, then keep the keys asked for: a model alone can be restored
-        # from a checkpoint that also holds the optimizer.
-        restored = dict(self._manager.restore(step, args=ocp.args.StandardRestore()))
-        return {k: np.asarray(v) for k, v in restored.items() if k in like}
+        steps = self._manager.all_steps()
+        if step not in steps:
+            raise FileNotFoundError(
+                f"Expected checkpoint {step} in {self.directory}; found {sorted(steps)}. Fix: "
+                "pass one of those, or step=None for the newest."
+            )
+        on_disk = self._manager.item_metadata(step)
+        item = {key: meta for key, meta in on_disk.items() if wanted(key)}
+        if not item:
+            return {}
+        args = ocp.args.PyTreeRestore(item=item, partial_restore=True)
+        return dict(self._manager.restore(step, args=args))
+
+    def restore(self, like: dict[str, np.ndarray], step: int | None = None) -> dict[str, Any]:
+        # Only the keys asked for: a model alone restores from a checkpoint that also holds
+        # the optimizer, without reading the optimizer's state.
+        return {k: np.asarray(v) for k, v in self._read(step, like.__contains__).items()}
+
+    def extras(self, step: int | None = None) -> dict[str, Any]:
+        restored = self._read(step, lambda key: key.startswith(_EXTRAS))
+        return {key.removeprefix(_EXTRAS): value for key, value in restored.items()}
 
     def close(self) -> None:
         self._manager.close()
@@ -122,16 +250,39 @@ def save_checkpoint(
     *,
     step: int = 0,
     max_to_keep: int | None = 1,
+    extras: Mapping[str, Any] | None = None,
 ) -> None:
-    """Save a model (and optimizer) into `directory` as checkpoint number `step`.
+    """Save a model (and optimizer, and extra values) into `directory` as checkpoint `step`.
+
+    Each save writes the step directory `directory/<step>` atomically: it appears complete,
+    extras included, or not at all. Then only the newest `max_to_keep` steps are kept.
+
+    Args:
+        directory: the checkpoint directory (created if missing).
+        model: an `nnx.Module`, mirrored or not.
+        optimizer: an `nnx.Optimizer` saved with the model, or None.
+        step: the checkpoint's number; the newest is the one with the largest.
+        max_to_keep: how many steps `directory` keeps, newest first (default 1: each save
+            replaces the previous one); None keeps every one.
+        extras: named values saved in the same step, as `tf.train.Checkpoint(epoch=...)`:
+            Python ints (int64), floats, bools and strs, and NumPy or JAX arrays of numbers.
+            Read them back with `mirrored.checkpoint_extras`.
 
     Example:
-        >>> mirrored.save_checkpoint("ckpt/", model, optimizer, step=epoch)
+        >>> mirrored.save_checkpoint(
+        ...     "ckpt/", model, optimizer, step=step, max_to_keep=3,
+        ...     extras={"epoch": epoch, "step_in_epoch": 0},
+        ... )
+
+    Differs from tf.distribute: `tf.train.Checkpoint.save` keeps every checkpoint and
+    `tf.train.CheckpointManager` needs `max_to_keep`; here the newest one is kept by default.
     """
+    check_max_to_keep(max_to_keep)
+    entries = _extras_arrays(extras)
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     checkpoints = Checkpoints(directory, max_to_keep=max_to_keep)
     try:
-        checkpoints.save(step, state_arrays(objects))
+        checkpoints.save(step, {**state_arrays(objects), **entries})
     finally:
         checkpoints.close()
 
@@ -145,8 +296,10 @@ def restore_checkpoint(
 ) -> int:
     """Restore the newest (or `step`) checkpoint into a model (and optimizer); returns the step.
 
-    Values are placed where the model's variables live (mirrored on its strategy), whatever
-    replica count wrote them.
+    `directory` is the one given to `save_checkpoint`, or one of its step directories (what
+    `mirrored.latest_checkpoint` returns). Values are placed where the model's variables live
+    (mirrored on its strategy), whatever replica count wrote them. Read the checkpoint's
+    extras with `mirrored.checkpoint_extras`.
 
     Example:
         >>> with strategy.scope():
@@ -154,13 +307,56 @@ def restore_checkpoint(
         >>> mirrored.restore_checkpoint("ckpt/", model)
     """
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
-    checkpoints = Checkpoints(directory, max_to_keep=None)
+    root, step = _locate(directory, step)
+    checkpoints = Checkpoints(root, max_to_keep=None)
     try:
         step = checkpoints.latest() if step is None else step
-        like = state_arrays(objects)
-        arrays = checkpoints.restore(like, step)
+        arrays = checkpoints.restore(state_arrays(objects), step)
     finally:
         checkpoints.close()
     load_state_arrays(objects, arrays, checkpoints.directory)
     assert step is not None
     return step
+
+
+def checkpoint_extras(
+    directory: str | os.PathLike[str], *, step: int | None = None
+) -> dict[str, Any]:
+    """The extras saved with the newest (or `step`) checkpoint; `{}` if it was saved without.
+
+    Reads the extras alone, not the model. Python values come back as they were saved (an
+    int stays an int, a str a str); arrays come back as NumPy arrays. `directory` is as for
+    `restore_checkpoint`: pass both the same path from `latest_checkpoint`, and they read the
+    same step even while another process saves.
+
+    Example:
+        >>> path = mirrored.latest_checkpoint("ckpt/")
+        >>> if path is not None:
+        ...     mirrored.restore_checkpoint(path, model, optimizer)
+        ...     start_epoch = mirrored.checkpoint_extras(path)["epoch"]
+
+    Differs from tf.distribute: `tf.train.Checkpoint(epoch=tf.Variable(0))` restores the
+    extras into the variables given; here they are returned, as Python and NumPy values.
+    """
+    root, step = _locate(directory, step)
+    checkpoints = Checkpoints(root, max_to_keep=None)
+    try:
+        return checkpoints.extras(step)
+    finally:
+        checkpoints.close()
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The newest complete checkpoint in `directory` (its step directory), or None.
+
+    As `tf.train.latest_checkpoint`: None when `directory` holds no checkpoint or does not
+    exist (nothing is created). A save still in progress, or cut short by a crash, is Orbax's
+    temporary `<step>.orbax-checkpoint-tmp...` directory and is ignored. Pass the path to
+    `restore_checkpoint` and `checkpoint_extras`.
+
+    Example:
+        >>> path = mirrored.latest_checkpoint("ckpt/")  # e.g. '/abs/ckpt/12', or None
+    """
+    root = os.path.abspath(os.fspath(directory))
+    steps = ocp.utils.checkpoint_steps(root) if os.path.isdir(root) else []
+    return os.path.join(root, str(max(steps))) if steps else None

@@ -205,8 +205,12 @@ class ModelCheckpoint(Callback):
         save_best_only: only save when `monitor` improved.
         save_weights_only: save the model's variables only, not the optimizer state.
         mode: `"min"`, `"max"` or `"auto"` (max for accuracies).
+        max_to_keep: how many checkpoints one directory keeps, newest first (default 1: each
+            save replaces the previous one); None keeps every one. A `filepath` with
+            `{epoch}` names a new directory each epoch, so every epoch's checkpoint is kept.
 
-    Restore with `mirrored.restore_checkpoint(filepath, model, optimizer)`.
+    Restore with `mirrored.restore_checkpoint(filepath, model, optimizer)`, or the path
+    `mirrored.latest_checkpoint(filepath)` returns. The checkpoint's step is `epoch + 1`.
     """
 
     def __init__(
@@ -217,8 +221,11 @@ class ModelCheckpoint(Callback):
         save_best_only: bool = False,
         save_weights_only: bool = False,
         mode: str = "auto",
+        max_to_keep: int | None = 1,
     ) -> None:
+        _checkpoint.check_max_to_keep(max_to_keep)
         self.filepath = os.fspath(filepath)
+        self.max_to_keep = max_to_keep
         self.monitor = monitor
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
@@ -233,7 +240,9 @@ class ModelCheckpoint(Callback):
             self.best = value
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
         optimizer = None if self.save_weights_only else self.trainer.optimizer
-        _checkpoint.save_checkpoint(path, self.trainer.model, optimizer, step=epoch + 1)
+        _checkpoint.save_checkpoint(
+            path, self.trainer.model, optimizer, step=epoch + 1, max_to_keep=self.max_to_keep
+        )
 
 
 class EarlyStopping(Callback):
@@ -312,7 +321,9 @@ class BackupAndRestore(Callback):
     Backs up the model, optimizer state, the epoch's running metrics and the position in the
     data (epoch and step; the shuffled order is a function of the seed and epoch) at the end of
     every epoch, or every `save_freq` steps. A `fit` that finds a backup restores it and
-    continues; a `fit` that completes deletes it (unless `delete_checkpoint=False`).
+    continues; a `fit` that completes deletes it (unless `delete_checkpoint=False`). Only the
+    newest backup is kept (one step directory in `backup_dir`), as in Keras; that is all a
+    resumed `fit` needs, so it is not an option. Keep checkpoints with `ModelCheckpoint`.
     """
 
     def __init__(
