@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/input_pipeline.py
 	$(BIN)/python benchmarks/fit_throughput.py
 	$(BIN)/python benchmarks/mixed_precision.py
+	$(BIN)/python benchmarks/real_models.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

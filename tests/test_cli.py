@@ -112,6 +112,17 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "--models",
             "seed_mlp",
         ],
+        [
+            "real_models.py",
+            "--devices",
+            "2",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--models",
+            "cnn_digits",
+        ],
     ],
     ids=lambda s: s[0],
 )

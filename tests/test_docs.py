@@ -46,7 +46,13 @@ def test_python_blocks_run(page, tmp_path):
 
 def test_included_snippets_are_tested_examples():
     included = {m for page in DOCS for m in SNIPPET.findall(page.read_text())}
-    assert included == {"examples/custom_loop.py", "examples/fit.py", "examples/multi_worker.py"}
+    assert included == {
+        "examples/custom_loop.py",
+        "examples/fit.py",
+        "examples/multi_worker.py",
+        "examples/cnn_digits.py",
+        "examples/transformer_lm.py",
+    }
     for path in included:
         assert (ROOT / path).exists(), path
 

@@ -392,11 +392,12 @@ def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) 
 
 
 def _deterministic(args: list[Any]) -> list[Any]:
-    """The copies with every `nnx.Dropout` off: N replicas cannot draw one device's masks."""
+    """The copies with dropout off (`nnx.Dropout`, attention dropout: every module's
+    `deterministic` flag): N replicas cannot draw one device's masks."""
     for arg in args:
         if is_state(arg):
             for _, node in nnx.iter_graph(arg):
-                if isinstance(node, nnx.Dropout):
+                if isinstance(node, nnx.Module) and hasattr(node, "deterministic"):
                     node.deterministic = True
     return args
 
