@@ -1,6 +1,6 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
-from mirrored import callbacks, layers, losses, mixed_precision
+from mirrored import callbacks, layers, losses, metrics, mixed_precision
 from mirrored._checkpoint import (
     checkpoint_extras,
     latest_checkpoint,
@@ -66,6 +66,7 @@ __all__ = [
     "latest_checkpoint",
     "layers",
     "losses",
+    "metrics",
     "mixed_precision",
     "restore_checkpoint",
     "save_checkpoint",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored import _capture, _context, _fastpath, layers
+from mirrored import _capture, _context, _fastpath, layers, metrics
 from mirrored._leaves import is_leaf as _is_leaf
 from mirrored._leaves import type_kind as _type_kind
 from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
@@ -373,6 +373,9 @@ class Runner:
         # BatchNorm's moving statistics, updated from each replica's own batch statistics,
         # are averaged across replicas before they are written back (TensorFlow's rule).
         stat_slots = [i for i, v in enumerate(unique) if isinstance(v, nnx.BatchStat)]
+        # mirrored.metrics sums: each replica adds its own rows; the additions are summed
+        # (TensorFlow's SYNC_ON_READ SUM), so the state stays mirrored.
+        metric_slots = [i for i, v in enumerate(unique) if isinstance(v, metrics.MetricState)]
         fn_name = getattr(fn, "__name__", type(fn).__name__)
         recorded: dict[str, Any] = {}
 
@@ -415,6 +418,13 @@ class Runner:
             for i in rng_slots:  # an unchanged stream keeps its mirrored key; its count moves on
                 if new_state[i] is inner[i]:
                     new_state[i] = state[i]
+            for i in metric_slots:  # an addition the same on every replica counts N times
+                added = new_state[i] - state[i]
+                if _context.is_varying(added):
+                    added = jax.lax.psum(added, REPLICA_AXIS)
+                else:
+                    added = added * self._n
+                new_state[i] = state[i] + added
             for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
                 if _context.is_varying(new_state[i]):
                     new_state[i] = _mean_over_replicas(new_state[i], mask)
@@ -586,6 +596,17 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         if leaf is variable:
             name = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
             break
+    if isinstance(variable, nnx.metrics.MetricState):
+        return ReplicaDivergenceError(
+            f"{fn_name!r} updated the Flax metric state {name} from this replica's shard of the "
+            "batch, so it differs between replicas. Flax's nnx.metrics keep one running value, "
+            "which N replicas cannot share.\n"
+            "Fix: use mirrored.metrics (Mean, Accuracy, SparseCategoricalAccuracy, ...), whose "
+            "sums every replica adds to and strategy.run combines exactly:\n"
+            "  with strategy.scope():\n"
+            "      accuracy = mirrored.metrics.SparseCategoricalAccuracy()\n"
+            "  # in the step: accuracy.update_state(y, logits); after it: accuracy.result()"
+        )
     return ReplicaDivergenceError(
         f"{fn_name!r} wrote a value into the mirrored variable {name} that differs between "
         "replicas (it was computed from this replica's shard of the batch). Mirrored state must "
@@ -594,6 +615,8 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         "  ctx = mirrored.get_replica_context()\n"
         "  total[...] = total[...] + ctx.all_reduce('SUM', local_sum)    # counters, sums\n"
         "  stat[...] = ctx.all_reduce('MEAN', local_statistic)           # averages\n"
+        "(a running total of a metric needs SUM of the additions, never MEAN of the totals; "
+        "mirrored.metrics does it for you), "
         "or keep per-replica running values out of the model: return them from the step and "
         "combine them with strategy.reduce. BatchNorm's nnx.BatchStat statistics are averaged "
         "for you; gradients of a loss from mirrored.compute_average_loss are already summed."

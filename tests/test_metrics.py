@@ -1,0 +1,227 @@
+"""mirrored.metrics: Keras' metrics, exact inside strategy.run on ragged batches (issue 14)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from sklearn import metrics as sk
+
+import mirrored
+from _helpers import assert_bit_identical_on_devices
+from mirrored import metrics as M
+
+RNG = np.random.default_rng(0)
+N = 37  # batches of 16, 16 and a ragged 5: padded on 8 replicas
+CLASSES = 4
+LOGITS = RNG.normal(size=(N, CLASSES)).astype(np.float32)
+LABELS = RNG.integers(0, CLASSES, N).astype(np.int32)
+PROBS = RNG.uniform(size=(N, 1)).astype(np.float32)
+BINARY = (RNG.uniform(size=(N, 1)) < PROBS).astype(np.float32)
+WEIGHTS = RNG.uniform(0.5, 2.0, N).astype(np.float32)
+
+
+def _argmax_hits():
+    return (LOGITS.argmax(-1) == LABELS).astype(np.float64)
+
+
+def _top2_hits():
+    return np.array([LABELS[i] in np.argsort(-LOGITS[i])[:2] for i in range(N)], np.float64)
+
+
+def _mean(values, weights=None):
+    weights = np.ones(len(values)) if weights is None else weights
+    return float(np.sum(values * weights) / np.sum(weights))
+
+
+# name -> (metric factory, its inputs (y_true, y_pred), expected on the whole data (unweighted,
+# weighted))
+CASES = {
+    "sparse_categorical_accuracy": (
+        M.SparseCategoricalAccuracy,
+        (LABELS, LOGITS),
+        lambda w: _mean(_argmax_hits(), w),
+    ),
+    "categorical_accuracy": (
+        M.CategoricalAccuracy,
+        (np.eye(CLASSES, dtype=np.float32)[LABELS], LOGITS),
+        lambda w: _mean(_argmax_hits(), w),
+    ),
+    "top_2": (
+        lambda: M.SparseTopKCategoricalAccuracy(k=2),
+        (LABELS, LOGITS),
+        lambda w: _mean(_top2_hits(), w),
+    ),
+    "binary_accuracy": (
+        M.BinaryAccuracy,
+        (BINARY, PROBS),
+        lambda w: _mean(((PROBS > 0.5) == BINARY)[:, 0].astype(float), w),
+    ),
+    "accuracy": (
+        M.Accuracy,
+        (LABELS, LOGITS.argmax(-1).astype(np.int32)),
+        lambda w: _mean(_argmax_hits(), w),
+    ),
+    "mse": (
+        M.MeanSquaredError,
+        (BINARY, PROBS),
+        lambda w: _mean(((PROBS - BINARY) ** 2)[:, 0], w),
+    ),
+    "mae": (
+        M.MeanAbsoluteError,
+        (BINARY, PROBS),
+        lambda w: _mean(np.abs(PROBS - BINARY)[:, 0], w),
+    ),
+    "precision": (
+        M.Precision,
+        (BINARY, PROBS),
+        lambda w: sk.precision_score(BINARY[:, 0], PROBS[:, 0] > 0.5, sample_weight=w),
+    ),
+    "recall": (
+        M.Recall,
+        (BINARY, PROBS),
+        lambda w: sk.recall_score(BINARY[:, 0], PROBS[:, 0] > 0.5, sample_weight=w),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return mirrored.MirroredStrategy(jax.devices())
+
+
+def _batches(*arrays, size=16):
+    return [tuple(a[i : i + size] for a in arrays) for i in range(0, N, size)]
+
+
+def _update(metric, y, p, w=None):
+    metric.update_state(y, p, sample_weight=w)
+
+
+def _update_unweighted(metric, y, p):
+    metric.update_state(y, p)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("replicas", [8, 1])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_metric_inside_run_on_ragged_batches_equals_numpy_on_the_whole_data(
+    name, replicas, weighted
+):
+    factory, (y_true, y_pred), expected = CASES[name]
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    with strategy.scope():
+        metric = factory()
+    if weighted:
+        dataset = strategy.experimental_distribute_dataset(_batches(y_true, y_pred, WEIGHTS))
+        for y, p, w in dataset:
+            strategy.run(_update, args=(metric, y, p, w))
+    else:
+        for y, p in strategy.experimental_distribute_dataset(_batches(y_true, y_pred)):
+            strategy.run(_update_unweighted, args=(metric, y, p))
+    assert float(metric.result()) == pytest.approx(expected(WEIGHTS if weighted else None), 1e-5)
+    assert_bit_identical_on_devices(metric)
+
+
+def test_auc_matches_keras_examples_and_sklearn_on_8_replicas(strategy):
+    exact = M.AUC(num_thresholds=3)  # Keras' docstring examples, outside any strategy
+    exact.update_state(np.array([0, 0, 1, 1]), np.array([0, 0.5, 0.3, 0.9]))
+    assert float(exact.result()) == pytest.approx(0.75)
+    exact.reset_state()
+    exact.update_state(
+        np.array([0, 0, 1, 1]), np.array([0, 0.5, 0.3, 0.9]), sample_weight=np.array([1, 0, 0, 1])
+    )
+    assert float(exact.result()) == pytest.approx(1.0)
+
+    with strategy.scope():
+        roc, pr, logits = M.AUC(), M.AUC(curve="PR"), M.AUC(from_logits=True)
+    raw = np.log(PROBS / (1 - PROBS))
+
+    def step(roc, pr, logits, y, p, r):
+        roc.update_state(y, p)
+        pr.update_state(y, p)
+        logits.update_state(y, r)
+
+    for y, p, r in strategy.experimental_distribute_dataset(_batches(BINARY, PROBS, raw)):
+        strategy.run(step, args=(roc, pr, logits, y, p, r))
+    # 200 thresholds approximate the exact area.
+    assert float(roc.result()) == pytest.approx(sk.roc_auc_score(BINARY, PROBS), abs=5e-3)
+    assert float(pr.result()) == pytest.approx(sk.average_precision_score(BINARY, PROBS), abs=3e-2)
+    assert float(logits.result()) == pytest.approx(float(roc.result()), abs=1e-6)
+
+
+def test_mean_and_sum_of_per_replica_scalars_and_rows(strategy):
+    with strategy.scope():
+        mean_rows, sum_rows, mean_scalars = M.Mean(), M.Sum(), M.Mean()
+    values = RNG.normal(size=(N, 3)).astype(np.float32)
+
+    def step(mean_rows, sum_rows, mean_scalars, v):
+        mean_rows.update_state(v)  # each row averaged over its 3 values, padded rows masked
+        sum_rows.update_state(v)
+        mask = mirrored.get_replica_context().example_mask
+        real = v if mask is None else v * mask[:, None]
+        mean_scalars.update_state(jnp.sum(real))  # one value per replica and step
+
+    batches = list(strategy.experimental_distribute_dataset(_batches(values)))
+    for (v,) in batches:
+        strategy.run(step, args=(mean_rows, sum_rows, mean_scalars, v))
+    assert float(mean_rows.result()) == pytest.approx(values.mean(), rel=1e-5)
+    assert float(sum_rows.result()) == pytest.approx(values.sum(), rel=1e-5)
+    assert float(mean_scalars.count[...]) == 8 * len(batches)  # every replica, every step
+    assert float(mean_scalars.result()) == pytest.approx(values.sum() / (8 * 3), rel=1e-5)
+
+
+def test_reset_state_keeps_the_metric_mirrored_and_a_result_reads_anywhere(strategy):
+    with strategy.scope():
+        accuracy = M.SparseCategoricalAccuracy()
+    ((y, p),) = strategy.experimental_distribute_dataset([(LABELS[:16], LOGITS[:16])])
+    strategy.run(_update_unweighted, args=(accuracy, y, p))
+    first = float(accuracy.result())
+    accuracy.reset_state()
+    assert float(accuracy.result()) == 0.0 and float(accuracy.count[...]) == 0.0
+    strategy.run(_update_unweighted, args=(accuracy, y, p))  # still mirrored: run accepts it
+    assert float(accuracy.result()) == first
+    assert_bit_identical_on_devices(accuracy)
+    assert accuracy.name == "sparse_categorical_accuracy"
+    assert repr(accuracy) == "SparseCategoricalAccuracy(name='sparse_categorical_accuracy')"
+
+
+def test_a_subclassed_metric_counts_real_rows_only(strategy):
+    class PositiveRate(M.Metric):
+        """Share of predictions above zero, weighted by the rows' weights."""
+
+        def __init__(self, name="positive_rate"):
+            super().__init__(name)
+            self.hits = self.add_variable()
+            self.rows = self.add_variable()
+
+        def update_state(self, y_pred, sample_weight=None):
+            w = self.weights(y_pred[:, 0], sample_weight)  # padded rows weigh 0
+            self.hits[...] += jnp.sum((y_pred[:, 0] > 0) * w)
+            self.rows[...] += jnp.sum(w)
+
+        def result(self):
+            return self.hits[...] / self.rows[...]
+
+    with strategy.scope():
+        rate = PositiveRate()
+    for (p,) in strategy.experimental_distribute_dataset(_batches(LOGITS)):
+        strategy.run(lambda m, p: m.update_state(p), args=(rate, p))
+    assert float(rate.result()) == pytest.approx(np.mean(LOGITS[:, 0] > 0))
+
+
+def test_a_flax_metric_inside_run_names_mirrored_metrics(strategy):
+    with strategy.scope():
+        average = nnx.metrics.Average()
+    ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
+    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="use mirrored.metrics"):
+        strategy.run(lambda m, v: m.update(values=v), args=(average, v))
+
+
+def test_bad_metric_arguments_say_what_was_expected():
+    with pytest.raises(ValueError, match="num_thresholds to be an int > 1"):
+        M.AUC(num_thresholds=1)
+    with pytest.raises(ValueError, match="curve 'ROC' or 'PR'"):
+        M.AUC(curve="roc_pr")
+    with pytest.raises(ValueError, match="Expected a metric name from"):
+        M.get("f1")
