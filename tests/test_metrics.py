@@ -225,3 +225,17 @@ def test_bad_metric_arguments_say_what_was_expected():
         M.AUC(curve="roc_pr")
     with pytest.raises(ValueError, match="Expected a metric name from"):
         M.get("f1")
+
+
+def test_a_value_every_replica_holds_counts_once_per_replica_as_tensorflow(strategy):
+    with strategy.scope():
+        total, mean = M.Sum(), M.Mean()
+    values = np.arange(4, dtype=np.float32)  # a host array: every replica gets all of it
+
+    def step(total, mean, v):
+        total.update_state(v)
+        mean.update_state(v)
+
+    strategy.run(step, args=(total, mean, values))
+    assert float(total.result()) == 8 * values.sum()  # SYNC_ON_READ SUM over 8 replicas
+    assert float(mean.result()) == pytest.approx(values.mean())  # total and count alike

@@ -12,7 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from mirrored import metrics as _metrics
 
 _EPSILON = 1e-7
 
@@ -192,23 +195,18 @@ class Metric:
 
 
 def _sparse_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-    if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
-        y_true = y_true[..., 0]
-    return per_example((jnp.argmax(y_pred, axis=-1) == y_true).astype(jnp.float32))
+    return per_example(_metrics.sparse_categorical_accuracy(y_true, y_pred))
 
 
 def _categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-    return per_example(
-        (jnp.argmax(y_pred, axis=-1) == jnp.argmax(y_true, axis=-1)).astype(jnp.float32)
-    )
+    return per_example(_metrics.categorical_accuracy(y_true, y_pred))
 
 
 def _binary_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
-    def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-        y_true = y_true.reshape(y_pred.shape) if y_true.size == y_pred.size else y_true
-        return per_example(((y_pred > threshold) == (y_true > 0.5)).astype(jnp.float32))
+    def binary_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+        return per_example(_metrics.binary_accuracy(y_true, y_pred, threshold))
 
-    return accuracy
+    return binary_accuracy
 
 
 def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array]:
@@ -255,8 +253,11 @@ def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Met
             "sparse_categorical_accuracy": _sparse_accuracy,
             "categorical_accuracy": _categorical_accuracy,
             "binary_accuracy": _binary_accuracy(0.5),
+            "sparse_top_k_categorical_accuracy": _metrics.sparse_top_k_categorical_accuracy,
             "mse": MeanSquaredError(),
             "mae": MeanAbsoluteError(),
+            "mean_squared_error": MeanSquaredError(),
+            "mean_absolute_error": MeanAbsoluteError(),
         }
         if spec not in named:
             raise ValueError(
@@ -267,3 +268,65 @@ def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Met
     if callable(spec):
         return Metric(getattr(spec, "__name__", "metric"), spec)
     raise TypeError(f"Expected a metric name, a Metric or a callable; found {spec!r}.")
+
+
+# -- pitfalls Keras leaves silent -----------------------------------------------------------------
+
+_CROSSENTROPIES = (
+    SparseCategoricalCrossentropy,
+    CategoricalCrossentropy,
+    BinaryCrossentropy,
+    Crossentropy,
+)
+
+
+def _sparse_loss(loss: Any, y_true: np.ndarray, y_pred_shape: tuple[int, ...]) -> bool:
+    if isinstance(loss, SparseCategoricalCrossentropy):
+        return True
+    if isinstance(loss, Crossentropy):
+        labels = np.empty(y_true.shape)
+        return tuple(y_pred_shape[-1:]) != (1,) and _is_sparse(labels, np.empty(y_pred_shape))
+    return False
+
+
+def check_labels(loss: Any, y_true: Any, y_pred_shape: tuple[int, ...]) -> None:
+    """Sparse labels must be class indices in [0, classes): optax would silently misread them."""
+    y_true = np.asarray(y_true)
+    if not _sparse_loss(loss, y_true, y_pred_shape) or y_true.size == 0:
+        return
+    classes = y_pred_shape[-1]
+    low, high = y_true.min(), y_true.max()
+    if low < 0 or high >= classes or not np.issubdtype(y_true.dtype, np.integer):
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{loss.name} expected integer class labels in [0, {classes}) for a model with "
+            f"{classes} outputs; found label {bad!r} ({y_true.dtype}). Fix: give the model one "
+            "output per class (the largest label + 1), or remap the labels to 0..classes-1."
+        )
+
+
+def logits_warning(loss: Any, y_pred: Any) -> str | None:
+    """Why `y_pred` looks like logits given to a loss that expects probabilities, or None.
+
+    Keras' `from_logits=False` default silently clips logits into (0, 1) and trains badly.
+    """
+    if not isinstance(loss, _CROSSENTROPIES) or loss.from_logits:
+        return None
+    y_pred = np.asarray(y_pred, np.float64)
+    if y_pred.size == 0:
+        return None
+    problem = None
+    if y_pred.min() < 0 or y_pred.max() > 1:
+        problem = f"values from {y_pred.min():.3g} to {y_pred.max():.3g}, outside [0, 1]"
+    elif y_pred.shape[-1] > 1 and not isinstance(loss, BinaryCrossentropy):
+        sums = y_pred.sum(axis=-1)
+        if np.abs(sums - 1).max() > 1e-3:
+            problem = f"rows summing to {sums.min():.3g}..{sums.max():.3g}, not 1"
+    if problem is None:
+        return None
+    return (
+        f"{loss.name} has from_logits=False (Keras' default), which expects probabilities, but "
+        f"the model's outputs on the first batch have {problem}: they look like logits, which "
+        "the loss clips into (0, 1) and trains badly on. Fix: pass from_logits=True (or end "
+        "the model with a softmax / sigmoid)."
+    )

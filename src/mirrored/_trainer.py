@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -13,14 +14,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mirrored import _checkpoint, _context, _objectives
+from mirrored import _checkpoint, _context, _learning_rate, _objectives
 from mirrored._input import DistributedDataset, source_length
 from mirrored._losses import compute_average_loss, weighted_losses
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._run import peer_failures
 from mirrored._strategy import Strategy, get_strategy, to_host
 from mirrored._values import PerReplica, is_per_replica
-from mirrored.callbacks import Callback, CallbackList, History, ProgbarLogger
+from mirrored.callbacks import Callback, CallbackList, History
 
 logger = logging.getLogger("mirrored")
 
@@ -254,6 +255,38 @@ class Trainer:
     def _resume_at(self, epoch: int, step: int) -> None:
         self._start = (epoch, step)
 
+    # -- learning rate ----------------------------------------------------------------------------
+
+    @property
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate, Keras' `optimizer.learning_rate`; settable between steps.
+
+        It lives in the optimizer state when the optimizer is built with
+        `optax.inject_hyperparams` (found inside `optax.chain`, `optax.MultiSteps` and the
+        Trainer's own clipping, accumulation and loss-scaling wrappers). Setting it writes the
+        value into that mirrored state with the same dtype and placement, so the compiled step
+        is reused, not recompiled. With a schedule, `inject_hyperparams(optax.adam)(
+        learning_rate=schedule)`, it reads the rate the most recent step used (the first
+        step's before training) and cannot be set. Any other optimizer (`optax.adam(1e-3)`,
+        `optax.adam(schedule)`) keeps the rate inside its compiled update: reading or setting
+        raises an error that shows the fix.
+
+        Example:
+            >>> with strategy.scope():
+            ...     trainer = mirrored.Trainer(
+            ...         model, optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "mse")
+            >>> trainer.learning_rate = trainer.learning_rate / 10
+
+        Differs from Keras: Keras optimizers own a learning-rate variable
+        (`self.model.optimizer.learning_rate` in a callback); an Optax optimizer has one only
+        when `inject_hyperparams` gives it one, and callbacks use `self.model.learning_rate`.
+        """
+        return _learning_rate.read(self.optimizer)
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        _learning_rate.write(self.optimizer, value)
+
     # -- data -------------------------------------------------------------------------------------
 
     def _dataset(
@@ -387,9 +420,13 @@ class Trainer:
         # Keras: without steps_per_epoch, an epoch is one pass; for a source of unknown length
         # that is "until it runs out".
         steps: int | None = steps_per_epoch if steps_per_epoch is not None else source_length(train)
-        history = History()
-        progress = [ProgbarLogger(verbose)] if verbose else []
-        callback_list = CallbackList([history, *progress, *callbacks])
+        # Keras' order: History (and the progress bar) after the user's callbacks, so they see
+        # the keys those add to the epoch logs (e.g. LearningRateScheduler's learning_rate).
+        callback_list = CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose
+        )
+        history = callback_list.history
+        assert history is not None
         global_batch = batch_size or 32
         callback_list.set_trainer(
             self, {"epochs": epochs, "steps": steps, "batch_size": global_batch, "verbose": verbose}
@@ -400,7 +437,8 @@ class Trainer:
         per_step = callback_list.overrides("on_train_batch_begin") or callback_list.overrides(
             "on_train_batch_end"
         )
-        callback_list.on_train_begin()
+        callback_list.on_train_begin({})
+        logs: dict[str, float] = {}
         first_epoch, first_step = self._start or (initial_epoch, 0)
         if self._start is None:
             self._train_totals = self._zeros()
@@ -409,7 +447,7 @@ class Trainer:
             self._epoch = epoch
             if epoch != first_epoch or first_step == 0:
                 self._train_totals = self._zeros()
-            callback_list.on_epoch_begin(epoch)
+            callback_list.on_epoch_begin(epoch, {})
             batches = train.epoch_iterator(
                 epoch + 1, skip=first_step if epoch == first_epoch else 0
             )
@@ -418,14 +456,14 @@ class Trainer:
                 if steps is not None and step >= steps:
                     break
                 if per_step:
-                    callback_list.on_train_batch_begin(step)
+                    callback_list.on_train_batch_begin(step, logs={})
                 self._train_totals = self.strategy.run(
                     self._train_step,
                     args=(self.model, self.optimizer, self._train_totals, *_batch_args(batch)),
                 )
                 if per_step:
                     callback_list.on_train_batch_end(
-                        step, _Logs(lambda: self._read(self._train_totals))
+                        step, logs=_Logs(lambda: self._read(self._train_totals))
                     )
                 step += 1
                 if self.stop_training:
@@ -440,13 +478,14 @@ class Trainer:
                 )
             logs = self._read(self._train_totals)
             if validation_data is not None:
-                logs.update(self._evaluate(validation_data, batch_size, prefix="val_"))
+                dataset = self._eval_dataset(validation_data, batch_size)
+                logs.update(self._run_eval(dataset, callback_list, prefix="val_"))
                 self.model.train()
             callback_list.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
         self._interrupted = False
-        callback_list.on_train_end()
+        callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
 
     # -- verification -----------------------------------------------------------------------------
@@ -483,23 +522,38 @@ class Trainer:
 
     # -- evaluate / predict -------------------------------------------------------------------
 
-    def _evaluate(self, data: Any, batch_size: int | None, *, prefix: str = "") -> dict[str, float]:
+    def _eval_dataset(self, data: Any, batch_size: int | None) -> DistributedDataset:
         weights = None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
             weights = data[2] if len(data) == 3 else None
         else:
             x, y = data, None
-        dataset = self._dataset(
+        return self._dataset(
             x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
         )
+
+    def _run_eval(
+        self, dataset: DistributedDataset, callbacks: CallbackList, *, prefix: str = ""
+    ) -> dict[str, float]:
+        """One pass over `dataset`; `callbacks` get Keras' test hooks (fit's, when validating)."""
+        per_step = callbacks.overrides("on_test_batch_begin") or callbacks.overrides(
+            "on_test_batch_end"
+        )
+        callbacks.on_test_begin({})
         self.model.eval()
         totals = self._zeros()
-        for batch in dataset.epoch_iterator(1):
+        for step, batch in enumerate(dataset.epoch_iterator(1)):
+            if per_step:
+                callbacks.on_test_batch_begin(step, logs={})
             totals = self.strategy.run(
                 self._eval_step, args=(self.model, totals, *_batch_args(batch))
             )
-        return self._read(totals, prefix)
+            if per_step:
+                callbacks.on_test_batch_end(step, logs=_Logs(functools.partial(self._read, totals)))
+        logs = self._read(totals)
+        callbacks.on_test_end(logs)
+        return {prefix + name: value for name, value in logs.items()}
 
     def evaluate(
         self,
@@ -508,11 +562,14 @@ class Trainer:
         *,
         batch_size: int | None = None,
         sample_weight: Any = None,
+        callbacks: Sequence[Callback] = (),
         verbose: int = 0,
     ) -> dict[str, float]:
         """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas.
 
-        `sample_weight` weights the loss (and `weighted_metrics`) as in Keras.
+        `sample_weight` weights the loss (and `weighted_metrics`) as in Keras. `callbacks` get
+        Keras' test hooks (`on_test_begin`, `on_test_batch_end`, ...). `verbose=1` shows a
+        progress bar on a terminal (one line elsewhere), as `fit` does; the default is quiet.
         """
         if y is None and sample_weight is not None:
             raise ValueError(
@@ -521,10 +578,18 @@ class Trainer:
             )
         weighted = sample_weight is not None
         data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
-        logs = self._evaluate(data, batch_size)
-        if verbose and _checkpoint.is_chief():
-            print("  ".join(f"{k} {v:.4f}" for k, v in logs.items()))
-        return logs
+        dataset = self._eval_dataset(data, batch_size)
+        callback_list = CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose)
+        callback_list.set_trainer(
+            self,
+            {
+                "epochs": 1,
+                "steps": source_length(dataset),
+                "batch_size": batch_size or 32,
+                "verbose": verbose,
+            },
+        )
+        return self._run_eval(dataset, callback_list)
 
     def predict(self, x: Any, *, batch_size: int | None = None, verbose: int = 0) -> Any:
         """Model outputs for every example of `x`, as NumPy, in input order, without padding."""

@@ -1,4 +1,4 @@
-"""Keras-style callbacks for `mirrored.Trainer`: history, progress, checkpoints, logs.
+"""Keras-style callbacks for `mirrored.Trainer`: history, progress, checkpoints, logs, rates.
 
 Only the chief process (process 0) prints and writes files.
 """
@@ -6,15 +6,18 @@ Only the chief process (process 0) prints and writes files.
 from __future__ import annotations
 
 import csv
+import inspect
 import logging
 import math
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -24,7 +27,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from mirrored import _checkpoint
+from mirrored import _checkpoint, _learning_rate
+from mirrored._strategy import to_host
 from mirrored._tensorboard import EventWriter
 
 if TYPE_CHECKING:
@@ -38,9 +42,13 @@ __all__ = [
     "Callback",
     "EarlyStopping",
     "History",
+    "LambdaCallback",
+    "LearningRateScheduler",
     "ModelCheckpoint",
     "ProgbarLogger",
+    "ReduceLROnPlateau",
     "TensorBoard",
+    "TerminateOnNaN",
 ]
 
 
@@ -62,30 +70,86 @@ class Callback:
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None: ...
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, float] | None = None) -> None: ...
-    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None: ...
-    def on_train_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None: ...
-    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None: ...
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        """`logs` is the epoch's dict: keys added here reach later callbacks and `History`."""
+
+    def on_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        """Keras' older name of `on_train_batch_begin`, which calls it."""
+
+    def on_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        """Keras' older name of `on_train_batch_end`, which calls it."""
+
+    def on_train_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        self.on_batch_begin(batch, logs=logs)
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        self.on_batch_end(batch, logs=logs)
+
     def on_test_begin(self, logs: Mapping[str, float] | None = None) -> None: ...
     def on_test_end(self, logs: Mapping[str, float] | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None: ...
+
+
+_HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+_ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
+
+
+def _implements(callback: Callback, hook: str) -> bool:
+    """Whether `callback` does something in `hook`: its class overrides it, or it was given
+    a function for it (`LambdaCallback`), or for Keras' older alias of it."""
+    names = (hook, _ALIASES[hook]) if hook in _ALIASES else (hook,)
+    return any(
+        name in vars(callback)
+        or getattr(type(callback), name, None) is not vars(Callback).get(name)
+        for name in names
+    )
 
 
 class CallbackList:
-    """Calls every callback's hook in order, skipping the ones a callback does not override."""
+    """Calls every callback's hook in order, skipping the ones a callback does not implement.
 
-    def __init__(self, callbacks: Sequence[Callback]) -> None:
+    As in Keras' `CallbackList(add_history=..., add_progbar=...)`, a `History` and a
+    `ProgbarLogger(verbose)` are appended after the given callbacks unless one is among them,
+    so they see what the others add to the logs.
+    """
+
+    def __init__(
+        self,
+        callbacks: Sequence[Callback] = (),
+        *,
+        add_history: bool = False,
+        add_progbar: bool = False,
+        verbose: int = 1,
+    ) -> None:
         self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"Expected mirrored.callbacks.Callback instances; found "
+                    f"{type(callback).__module__}.{type(callback).__name__}. Fix: use "
+                    "mirrored.callbacks.<Name> (Keras' names), subclass "
+                    "mirrored.callbacks.Callback, or wrap functions in LambdaCallback."
+                )
+        self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
+        if self.history is None and add_history:
+            self.history = History()
+            self.callbacks.append(self.history)
+        if add_progbar and not any(isinstance(c, ProgbarLogger) for c in self.callbacks):
+            self.callbacks.append(ProgbarLogger(verbose))
 
     def overrides(self, hook: str) -> bool:
         """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
-        base = getattr(Callback, hook, None)
-        return any(getattr(type(c), hook, None) is not base for c in self.callbacks)
+        return any(_implements(c, hook) for c in self.callbacks)
 
     def __getattr__(self, hook: str) -> Any:
-        base = getattr(Callback, hook, None)
+        if hook.startswith("__"):
+            raise AttributeError(hook)
         methods = [
             getattr(c, hook)
             for c in self.callbacks
-            if not hook.startswith("on_") or getattr(type(c), hook, None) is not base
+            if not hook.startswith("on_") or _implements(c, hook)
         ]
 
         def call(*args: Any, **kwargs: Any) -> None:
@@ -118,7 +182,8 @@ class ProgbarLogger(Callback):
 
     `verbose=1` shows the bar on a terminal (one line per epoch elsewhere), `verbose=2` one line
     per epoch, `verbose=0` nothing. Metrics are read from the devices at most every
-    `refresh_s` seconds, so the bar never adds a per-step synchronisation.
+    `refresh_s` seconds, so the bar never adds a per-step synchronisation. `evaluate` shows
+    one bar (and line) too; inside `fit`, validation is silent, as in Keras.
     """
 
     def __init__(self, verbose: int = 1, *, refresh_s: float = 0.25) -> None:
@@ -126,15 +191,16 @@ class ProgbarLogger(Callback):
         self.refresh_s = refresh_s
         self.console = Console(soft_wrap=True)
         self._progress: Progress | None = None
+        self._in_fit = False
 
     def _live(self) -> bool:
         return self.verbose == 1 and self.console.is_terminal and _checkpoint.is_chief()
 
-    def on_epoch_begin(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
-        self._epoch, self._start, self._last = epoch, time.perf_counter(), 0.0
+    def _begin(self, label: str) -> None:
+        self._label, self._start, self._last = label, time.perf_counter(), 0.0
         if self._live():
             self._progress = Progress(
-                TextColumn(f"epoch {epoch + 1}/{self.params['epochs']}"),
+                TextColumn(label),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
@@ -144,10 +210,10 @@ class ProgbarLogger(Callback):
             )
             self._progress.start()
             self._task = self._progress.add_task(
-                "fit", total=self.params.get("steps"), speed="", metrics=""
+                label, total=self.params.get("steps"), speed="", metrics=""
             )
 
-    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+    def _advance(self, batch: int, logs: Mapping[str, float] | None) -> None:
         if self._progress is None:
             return
         now = time.perf_counter()
@@ -159,25 +225,52 @@ class ProgbarLogger(Callback):
                 self._task, speed=f"{rate:,.0f} ex/s", metrics=_format(dict(logs))
             )
 
-    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+    def _stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def _end(self, logs: Mapping[str, float] | None) -> None:
+        self._stop()
         if self.verbose and _checkpoint.is_chief():
             seconds = time.perf_counter() - self._start
-            self.console.print(
-                f"epoch {epoch + 1}/{self.params['epochs']}  {seconds:.1f}s  {_format(logs or {})}"
-            )
+            self.console.print(f"{self._label}  {seconds:.1f}s  {_format(logs or {})}")
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        self._in_fit = True
+
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        self._begin(f"epoch {epoch + 1}/{self.params['epochs']}")
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        self._advance(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        self._end(logs)
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        self._stop()
+        self._in_fit = False
+
+    def on_test_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        if not self._in_fit:
+            self._begin("evaluate")
+
+    def on_test_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        if not self._in_fit:
+            self._advance(batch, logs)
+
+    def on_test_end(self, logs: Mapping[str, float] | None = None) -> None:
+        if not self._in_fit:
+            self._end(logs)
 
 
 def _improved(mode: str, monitor: str) -> Any:
     if mode not in ("auto", "min", "max"):
-        raise ValueError(f"Expected mode 'auto', 'min' or 'max'; found {mode!r}.")
+        raise ValueError(
+            f"Expected mode 'auto', 'min' or 'max'; found {mode!r}. Fix: 'min' for losses, "
+            "'max' for accuracies, or 'auto' to choose from the monitored name."
+        )
     if mode == "auto":
         mode = "max" if "acc" in monitor else "min"
     return np.greater if mode == "max" else np.less
@@ -410,26 +503,350 @@ class CSVLogger(Callback):
             writer.writerow([epoch, *(logs.get(k, math.nan) for k in self._keys)])
 
 
-class TensorBoard(Callback):
-    """Write epoch scalars for TensorBoard: `log_dir/train` and `log_dir/validation`."""
+def _chief_print(message: str) -> None:
+    if _checkpoint.is_chief():
+        print(message)
 
-    def __init__(self, log_dir: str | os.PathLike[str] = "logs") -> None:
-        self.log_dir = os.fspath(log_dir)
+
+def _takes_rate(schedule: Callable[..., Any]) -> bool:
+    """Whether `schedule` is Keras' `schedule(epoch, lr)` (else the older `schedule(epoch)`)."""
+    try:
+        signature = inspect.signature(schedule)
+    except (TypeError, ValueError):  # no signature to read: Keras' first try is (epoch, lr)
+        return True
+    for args in ((0, 0.1), (0,)):
+        try:
+            signature.bind(*args)
+        except TypeError:
+            continue
+        return len(args) == 2
+    raise TypeError(
+        f"Expected schedule(epoch, lr) or schedule(epoch); found {schedule!r} with the "
+        f"signature {signature}. Fix: e.g. LearningRateScheduler(lambda epoch, lr: lr * 0.9)."
+    )
+
+
+class LearningRateScheduler(Callback):
+    """Set the learning rate at the start of every epoch to `schedule(epoch, lr)`.
+
+    Keras' callback: `epoch` counts from 0 and `lr` is the current rate; a one-argument
+    `schedule(epoch)` works too. The epoch logs, and so `History`, get the rate as
+    `"learning_rate"`. The optimizer must keep its rate in its state, e.g.
+    `optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)` (see `Trainer.learning_rate`);
+    a new rate does not recompile the step. An optimizer whose rate cannot be set fails at
+    the start of `fit`, before any step.
+
+    Example:
+        >>> decay = mirrored.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)
+        >>> history = trainer.fit(x, y, epochs=3, callbacks=[decay])
+        >>> history.history["learning_rate"]  # e.g. [0.0005, 0.00025, 0.000125]
+    """
+
+    def __init__(self, schedule: Callable[..., Any], verbose: int = 0) -> None:
+        if not callable(schedule):
+            raise TypeError(
+                f"Expected schedule to be a function schedule(epoch, lr); found {schedule!r}. "
+                "Fix: e.g. LearningRateScheduler(lambda epoch, lr: lr * 0.9)."
+            )
+        self.schedule = schedule
+        self.verbose = verbose
+        self._takes_rate = _takes_rate(schedule)
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
-        self._writers: dict[str, EventWriter] = {}
-        if _checkpoint.is_chief():
-            for split in ("train", "validation"):
-                self._writers[split] = EventWriter(os.path.join(self.log_dir, split))
+        _learning_rate.check_settable(self.trainer.optimizer)
 
-    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
-        for key, value in (logs or {}).items():
-            split, tag = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            if split in self._writers:
-                self._writers[split].scalar(f"epoch_{tag}", float(value), epoch)
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        if self._takes_rate:
+            rate = self.schedule(epoch, self.trainer.learning_rate)
+        else:
+            rate = self.schedule(epoch)
+        self.trainer.learning_rate = _learning_rate.as_rate(
+            rate,
+            found_in=f" from the schedule at epoch {epoch}",
+            fix="return a float, e.g. LearningRateScheduler(lambda epoch, lr: lr * 0.9)",
+        )
+        if self.verbose > 0:
+            _chief_print(
+                f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}."
+            )
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        if logs is not None:
+            logs[_learning_rate.NAME] = self.trainer.learning_rate
+
+
+class ReduceLROnPlateau(Callback):
+    """Reduce the learning rate when `monitor` has stopped improving.
+
+    Keras' rules (keras/src/callbacks/reduce_lr_on_plateau.py), step by step at each epoch end:
+    the epoch logs get the rate the epoch used as `"learning_rate"`; during a cooldown the
+    counter drops by one and `wait` resets; an improvement (below `best - min_delta` in
+    `"min"` mode, above `best + min_delta` in `"max"`) becomes the best and resets `wait`;
+    otherwise, outside a cooldown, `wait` grows and once `wait >= patience` the rate becomes
+    `max(lr * factor, min_lr)` (only while `lr > min_lr`), a cooldown of `cooldown` epochs
+    starts and `wait` resets. `mode="auto"` means "max" for a monitor with "acc" in its name.
+    The optimizer must keep its rate in its state (see `Trainer.learning_rate`); a new rate
+    does not recompile the step.
+
+    Example:
+        >>> reduce = mirrored.callbacks.ReduceLROnPlateau(factor=0.2, patience=5, min_lr=1e-5)
+        >>> trainer.fit(x, y, epochs=50, validation_split=0.1, callbacks=[reduce])
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+    ) -> None:
+        if factor >= 1.0:
+            raise ValueError(
+                f"Expected factor < 1.0 (new_lr = lr * factor); found factor={factor!r}. Fix: "
+                "e.g. factor=0.1 divides the rate by 10."
+            )
+        _improved(mode, monitor)  # refuse an unknown mode now
+        self.monitor = monitor
+        self.factor = factor
+        self.patience = patience
+        self.verbose = verbose
+        self.mode = mode
+        self.min_delta = min_delta
+        self.cooldown = cooldown
+        self.min_lr = min_lr
+        self._reset()
+
+    def _reset(self) -> None:
+        if _improved(self.mode, self.monitor) is np.less:
+            self.monitor_op = lambda a, b: np.less(a, b - self.min_delta)
+            self.best = np.inf
+        else:
+            self.monitor_op = lambda a, b: np.greater(a, b + self.min_delta)
+            self.best = -np.inf
+        self.cooldown_counter = 0
+        self.wait = 0
+
+    def in_cooldown(self) -> bool:
+        return self.cooldown_counter > 0
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        _learning_rate.check_settable(self.trainer.optimizer)
+        self._reset()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        rate = self.trainer.learning_rate
+        if logs is not None:
+            logs[_learning_rate.NAME] = rate
+        current = _monitored(logs, self.monitor, "ReduceLROnPlateau")
+        if current is None:
+            return
+        if self.in_cooldown():
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self.monitor_op(current, self.best):
+            self.best = current
+            self.wait = 0
+        elif not self.in_cooldown():
+            self.wait += 1
+            # The rate is stored as float32: compare with min_lr in float32 too, as Keras does.
+            if self.wait >= self.patience and rate > np.float32(self.min_lr):
+                new_rate = max(rate * self.factor, self.min_lr)
+                self.trainer.learning_rate = new_rate
+                if self.verbose > 0:
+                    _chief_print(
+                        f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to "
+                        f"{new_rate}."
+                    )
+                self.cooldown_counter = self.cooldown
+                self.wait = 0
+
+
+class LambdaCallback(Callback):
+    """A callback made of functions, Keras' `LambdaCallback`.
+
+    Each function is called as the hook it stands for: `on_epoch_begin(epoch, logs)`,
+    `on_epoch_end(epoch, logs)`, `on_train_begin(logs)`, `on_train_end(logs)`, and
+    `on_train_batch_begin(batch, logs=...)` / `on_train_batch_end(batch, logs=...)`. Other
+    hooks by keyword, e.g. `on_test_end=lambda logs: ...`. A batch hook reads the epoch's
+    running logs only if the function looks at `logs` (each look waits for the step).
+
+    Example:
+        >>> losses = []
+        >>> record = mirrored.callbacks.LambdaCallback(
+        ...     on_epoch_end=lambda epoch, logs: losses.append(logs["loss"]))
+    """
+
+    def __init__(
+        self,
+        on_epoch_begin: Callable[..., Any] | None = None,
+        on_epoch_end: Callable[..., Any] | None = None,
+        on_train_begin: Callable[..., Any] | None = None,
+        on_train_end: Callable[..., Any] | None = None,
+        on_train_batch_begin: Callable[..., Any] | None = None,
+        on_train_batch_end: Callable[..., Any] | None = None,
+        **kwargs: Callable[..., Any],
+    ) -> None:
+        hooks = {
+            "on_epoch_begin": on_epoch_begin,
+            "on_epoch_end": on_epoch_end,
+            "on_train_begin": on_train_begin,
+            "on_train_end": on_train_end,
+            "on_train_batch_begin": on_train_batch_begin,
+            "on_train_batch_end": on_train_batch_end,
+            **kwargs,
+        }
+        for name, function in hooks.items():
+            if name not in _HOOKS:
+                raise TypeError(
+                    f"Expected callback hook names ({', '.join(sorted(_HOOKS))}); found "
+                    f"{name!r}. Fix: LambdaCallback(on_epoch_end=lambda epoch, logs: ...)."
+                )
+            if function is None:
+                continue
+            if not callable(function):
+                raise TypeError(
+                    f"Expected {name} to be a function; found {function!r}. Fix: e.g. "
+                    f"LambdaCallback({name}=lambda *args, logs=None: ...)."
+                )
+            setattr(self, name, function)
+
+
+class TerminateOnNaN(Callback):
+    """Stop training right after a batch whose loss is NaN or infinite (Keras' callback).
+
+    After every batch it reads the epoch's running loss (what Keras' batch logs hold too):
+    one NaN or infinite batch loss makes it NaN or infinite from that batch on, so training
+    stops after the first bad batch; `on_epoch_end` and `on_train_end` still run. With
+    `raise_error=True` it raises a RuntimeError instead, and no callback's `on_train_end` runs.
+    Reading the loss waits for each step to finish on the devices: one synchronisation per
+    step, as in Keras.
+    """
+
+    def __init__(self, raise_error: bool = False) -> None:
+        self.raise_error = raise_error
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None or math.isfinite(loss):
+            return
+        if self.raise_error:
+            raise RuntimeError(
+                f"Expected a finite loss; found {loss} after batch {batch} of epoch "
+                f"{self.trainer._epoch + 1}. Fix: lower the learning rate, clip gradients "
+                "(Trainer(..., global_clipnorm=1.0)), or look for NaN or infinite inputs."
+            )
+        _chief_print(f"Batch {batch}: Invalid loss, terminating training")
+        self.trainer.stop_training = True
+
+
+def _model_weights(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Every floating-point variable of the model (Keras' `model.weights`), by its path."""
+    weights = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        value = variable.get_value()
+        if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating):
+            weights["/".join(map(str, path))] = np.asarray(to_host(value), np.float32)
+    return weights
+
+
+class TensorBoard(Callback):
+    """Write logs for TensorBoard (with tensorboardX; no TensorFlow needed).
+
+    Keras' callback, tags and steps: epoch logs as `epoch_<name>` at step `epoch` in
+    `log_dir/train`, and `val_` logs in `log_dir/validation` (created only when there are
+    validation logs); the learning rate as `epoch_learning_rate` when `Trainer.learning_rate`
+    is readable.
+
+    Args:
+        log_dir: the directory of the `train` and `validation` event files.
+        histogram_freq: every this many epochs (epochs 0, N, 2N, ...), a histogram of every
+            floating-point model variable, tagged `<path>/histogram` (e.g.
+            `hidden/kernel/histogram`); 0 writes none.
+        update_freq: `"epoch"`; `"batch"` or an integer N: also the running logs as
+            `batch_<name>` every N batches, at the number of batches since `fit` began
+            (counting from 1). Each write waits for the step, as in Keras.
+
+    Example:
+        >>> tb = mirrored.callbacks.TensorBoard("logs", histogram_freq=1, update_freq=100)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] = "logs",
+        *,
+        histogram_freq: int = 0,
+        update_freq: str | int = "epoch",
+    ) -> None:
+        if (
+            isinstance(histogram_freq, bool)
+            or not isinstance(histogram_freq, int)
+            or histogram_freq < 0
+        ):
+            raise ValueError(
+                f"Expected histogram_freq to be a number of epochs >= 0; found "
+                f"{histogram_freq!r}. Fix: e.g. histogram_freq=1 (every epoch), 0 for none."
+            )
+        if update_freq not in ("epoch", "batch") and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise ValueError(
+                f"Expected update_freq to be 'epoch', 'batch' or a positive number of batches; "
+                f"found {update_freq!r}. Fix: e.g. update_freq=100."
+            )
+        self.log_dir = os.fspath(log_dir)
+        self.histogram_freq = histogram_freq
+        self.update_freq: str | int = 1 if update_freq == "batch" else update_freq
+        self._writers: dict[str, EventWriter] = {}
+
+    def _writer(self, split: str) -> EventWriter:
+        # Created on first use, as in Keras: no validation/ directory without validation logs.
+        if split not in self._writers:
+            self._writers[split] = EventWriter(os.path.join(self.log_dir, split))
+        return self._writers[split]
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        self._writers = {}
+        self._global_batch = 0
+        try:
+            self.trainer.learning_rate  # noqa: B018 - readable or not, decided once
+            self._log_rate = True
+        except (ValueError, TypeError):
+            self._log_rate = False
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        self._global_batch += 1
+        if (
+            self.update_freq == "epoch"
+            or self._global_batch % int(self.update_freq)
+            or logs is None
+            or not _checkpoint.is_chief()
+        ):
+            return
+        writer = self._writer("train")
+        for name, value in logs.items():
+            writer.scalar(f"batch_{name}", float(value), self._global_batch)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        if not _checkpoint.is_chief():
+            return
+        train = {k: v for k, v in (logs or {}).items() if not k.startswith("val_")}
+        validation = {k[4:]: v for k, v in (logs or {}).items() if k.startswith("val_")}
+        if self._log_rate:
+            train.setdefault(_learning_rate.NAME, self.trainer.learning_rate)
+        for split, values in (("train", train), ("validation", validation)):
+            for name, value in values.items():
+                self._writer(split).scalar(f"epoch_{name}", float(value), epoch)
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            for name, weights in _model_weights(self.trainer.model).items():
+                self._writer("train").histogram(f"{name}/histogram", weights, epoch)
         for writer in self._writers.values():
             writer.flush()
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
         for writer in self._writers.values():
             writer.close()
+        self._writers = {}
