@@ -7,6 +7,7 @@ so an 8-replica number equals the single-device number (no mean of means).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -241,10 +242,23 @@ def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array
     return accuracy
 
 
-def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Metric:
+_STATEFUL: dict[str, Callable[[], _metrics.Metric]] = {
+    "precision": _metrics.Precision,
+    "recall": _metrics.Recall,
+    "auc": _metrics.AUC,
+}
+
+
+def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
     """A metric from a Keras name (\"accuracy\" follows the shapes, as in Keras) or a callable."""
     if isinstance(spec, Metric):
         return spec
+    if isinstance(spec, _metrics.MeanMetricWrapper):  # a mean over examples: exact running sums
+        return Metric(spec.name, functools.partial(spec._fn, **spec._fn_kwargs))
+    if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
+        return spec
+    if spec in _STATEFUL:
+        return _STATEFUL[spec]()
     if isinstance(spec, str):
         from_logits = getattr(loss, "from_logits", False)
         if spec in ("accuracy", "acc"):
@@ -272,7 +286,7 @@ def get_metric(spec: str | Metric | Callable[[Any, Any], Any], loss: Any) -> Met
 
 # -- pitfalls Keras leaves silent -----------------------------------------------------------------
 
-_CROSSENTROPIES = (
+CROSSENTROPIES = (
     SparseCategoricalCrossentropy,
     CategoricalCrossentropy,
     BinaryCrossentropy,
@@ -292,12 +306,18 @@ def _sparse_loss(loss: Any, y_true: np.ndarray, y_pred_shape: tuple[int, ...]) -
 def check_labels(loss: Any, y_true: Any, y_pred_shape: tuple[int, ...]) -> None:
     """Sparse labels must be class indices in [0, classes): optax would silently misread them."""
     y_true = np.asarray(y_true)
-    if not _sparse_loss(loss, y_true, y_pred_shape) or y_true.size == 0:
+    sparse_shape = y_true.shape[1:] in (tuple(y_pred_shape[1:-1]), (*y_pred_shape[1:-1], 1))
+    if (
+        not _sparse_loss(loss, y_true, y_pred_shape)
+        or y_true.size == 0
+        or not sparse_shape
+        or not np.issubdtype(y_true.dtype, np.integer)  # the loss itself says what it expects
+    ):
         return
     classes = y_pred_shape[-1]
     low, high = y_true.min(), y_true.max()
-    if low < 0 or high >= classes or not np.issubdtype(y_true.dtype, np.integer):
-        bad = low if low < 0 else high
+    if low < 0 or high >= classes:
+        bad = (low if low < 0 else high).item()
         raise ValueError(
             f"{loss.name} expected integer class labels in [0, {classes}) for a model with "
             f"{classes} outputs; found label {bad!r} ({y_true.dtype}). Fix: give the model one "
@@ -310,7 +330,7 @@ def logits_warning(loss: Any, y_pred: Any) -> str | None:
 
     Keras' `from_logits=False` default silently clips logits into (0, 1) and trains badly.
     """
-    if not isinstance(loss, _CROSSENTROPIES) or loss.from_logits:
+    if not isinstance(loss, CROSSENTROPIES) or loss.from_logits:
         return None
     y_pred = np.asarray(y_pred, np.float64)
     if y_pred.size == 0:

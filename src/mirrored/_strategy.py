@@ -68,7 +68,7 @@ def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
 
 def to_host(x: jax.Array) -> np.ndarray:
     """A global array as NumPy on this host, gathering other processes' shards when needed."""
-    if x.is_fully_addressable or x.is_fully_replicated:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 

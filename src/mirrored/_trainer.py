@@ -30,8 +30,18 @@ def _make_steps(
     loss_fn: Any,
     metrics: Sequence[_objectives.Metric],
     weighted_metrics: Sequence[_objectives.Metric] = (),
+    stateful_weighted: Sequence[bool] = (),
 ) -> tuple[Callable[..., Any], ...]:
-    """The per-replica train, eval and predict steps. They close over configuration only."""
+    """The per-replica train, eval and predict steps. They close over configuration only.
+
+    Metrics that are means over examples are running sums in `totals`; other metrics
+    (`mirrored.metrics.Precision`, `AUC`, your own) come as `stateful`, a tuple of metric
+    modules passed as state, updated with the weights when `stateful_weighted` says so.
+    """
+
+    def update_stateful(stateful: Any, y: Any, y_pred: Any, w: Any) -> None:
+        for metric, weighted in zip(stateful, stateful_weighted, strict=True):
+            metric.update_state(y, y_pred, sample_weight=w if weighted else None)
 
     def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any, w: Any) -> Any:
         # Each replica keeps its own running sums (loss, metrics..., weighted metrics...,
@@ -51,7 +61,9 @@ def _make_steps(
         local += [jnp.sum(_values(m, y, y_pred) * weight) for m in weighted_metrics]
         return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
 
-    def train_step(model: Any, optimizer: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
+    def train_step(
+        model: Any, optimizer: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None
+    ) -> Any:
         def loss_of(model: Any) -> Any:
             y_pred = _float32(model(x))  # losses in float32 whatever the compute dtype
             per_example = _objectives.per_example(loss_fn(y, y_pred))
@@ -71,10 +83,12 @@ def _make_steps(
         else:
             (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
             optimizer.update(model, grads)
+        update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, per_example, y, y_pred, w)
 
-    def eval_step(model: Any, totals: Any, x: Any, y: Any, w: Any = None) -> Any:
+    def eval_step(model: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None) -> Any:
         y_pred = _float32(model(x))
+        update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, _objectives.per_example(loss_fn(y, y_pred)), y, y_pred, w)
 
     def predict_step(model: Any, x: Any) -> Any:
@@ -207,19 +221,35 @@ class Trainer:
         self.policy = global_policy() if policy is None else _as_policy(policy)
         self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
-        self.metrics = [_objectives.get_metric(m, self.loss) for m in metrics]
-        self.weighted_metrics = [_objectives.get_metric(m, self.loss) for m in weighted_metrics]
+        with self.strategy.scope():  # stateful metrics hold mirrored sums
+            resolved = [_objectives.get_metric(m, self.loss) for m in metrics]
+            resolved_weighted = [_objectives.get_metric(m, self.loss) for m in weighted_metrics]
+        self.metrics = [m for m in resolved if isinstance(m, _objectives.Metric)]
+        self.weighted_metrics = [m for m in resolved_weighted if isinstance(m, _objectives.Metric)]
+        stateful = [(m, False) for m in resolved if not isinstance(m, _objectives.Metric)]
+        stateful += [(m, True) for m in resolved_weighted if not isinstance(m, _objectives.Metric)]
+        for metric, _ in stateful:
+            self.strategy._runner.check_mirrored(metric, f"the metric {metric.name!r}")
+        self._stateful = tuple(m for m, _ in stateful)
+        unweighted = {m.name for m in resolved}
         names = [
             "loss",
             *(m.name for m in self.metrics),
             # Keras names a weighted metric that shares an unweighted one's name "weighted_...".
             *(
-                f"weighted_{m.name}" if m.name in {u.name for u in self.metrics} else m.name
+                f"weighted_{m.name}" if m.name in unweighted else m.name
                 for m in self.weighted_metrics
             ),
         ]
-        if len(set(names)) != len(names):
-            raise ValueError(f"Expected distinct metric names; found {names}.")
+        self._stateful_names = [
+            f"weighted_{m.name}" if weighted and m.name in unweighted else m.name
+            for m, weighted in stateful
+        ]
+        if len(set(names + self._stateful_names)) != len(names) + len(self._stateful_names):
+            raise ValueError(
+                f"Expected distinct metric names; found {names + self._stateful_names}. Fix: "
+                "give metrics distinct name= arguments."
+            )
         self._names = names
         self.strategy._runner.check_mirrored(model, "the model")
         with self.strategy.scope():
@@ -228,7 +258,7 @@ class Trainer:
             )
         self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(
-            self.loss, self.metrics, self.weighted_metrics
+            self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
         )
         self._train_totals = self._zeros()
         self.stop_training = False
@@ -242,14 +272,18 @@ class Trainer:
         return {"model": self.model, "optimizer": self.optimizer}
 
     def _training_state(self) -> dict[str, np.ndarray]:
-        arrays = _checkpoint.state_arrays(self._state_objects())
+        arrays = _checkpoint.state_arrays({**self._state_objects(), **self._metric_objects()})
         arrays["totals/sums"] = self._sums(self._train_totals)
         return arrays
+
+    def _metric_objects(self) -> dict[str, Any]:
+        return {f"metrics/{i}": m for i, m in enumerate(self._stateful)}
 
     def _load_training_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
         arrays = dict(arrays)
         sums = arrays.pop("totals/sums")
-        _checkpoint.load_state_arrays(self._state_objects(), arrays, source)
+        objects = {**self._state_objects(), **self._metric_objects()}
+        _checkpoint.load_state_arrays(objects, arrays, source)
         self._train_totals = self._zeros(first=sums)  # the sums may come from N' replicas
 
     def _resume_at(self, epoch: int, step: int) -> None:
@@ -352,10 +386,17 @@ class Trainer:
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
         *sums, count, weight = self._sums(totals)
         weighted_from = 1 + len(self.metrics)
-        return {
+        logs = {
             prefix + name: _ratio(value, weight if i >= weighted_from else count)
             for i, (name, value) in enumerate(zip(self._names, sums, strict=True))
         }
+        for name, metric in zip(self._stateful_names, self._stateful, strict=True):
+            logs[prefix + name] = float(np.asarray(to_host(metric.result())).reshape(-1)[0])
+        return logs
+
+    def _reset_metrics(self) -> None:
+        for metric in self._stateful:
+            metric.reset_state()
 
     # -- fit ---------------------------------------------------------------------------------------
 
@@ -447,6 +488,7 @@ class Trainer:
             self._epoch = epoch
             if epoch != first_epoch or first_step == 0:
                 self._train_totals = self._zeros()
+                self._reset_metrics()
             callback_list.on_epoch_begin(epoch, {})
             batches = train.epoch_iterator(
                 epoch + 1, skip=first_step if epoch == first_epoch else 0
@@ -457,9 +499,17 @@ class Trainer:
                     break
                 if per_step:
                     callback_list.on_train_batch_begin(step, logs={})
+                if epoch == first_epoch and step == first_step:
+                    self._check_first_batch(batch, y)
                 self._train_totals = self.strategy.run(
                     self._train_step,
-                    args=(self.model, self.optimizer, self._train_totals, *_batch_args(batch)),
+                    args=(
+                        self.model,
+                        self.optimizer,
+                        self._train_totals,
+                        self._stateful,
+                        *_batch_args(batch),
+                    ),
                 )
                 if per_step:
                     callback_list.on_train_batch_end(
@@ -488,6 +538,35 @@ class Trainer:
         callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
 
+    def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
+        """Keras' silent traps, on the first batch: logits given to a loss expecting
+        probabilities (a warning) and sparse labels outside the class range (an error)."""
+        if not isinstance(self.loss, _objectives.CROSSENTROPIES):
+            return
+        args = _batch_args(batch)
+        if len(args) < 2:
+            return
+        x, y = args[0], args[1]
+        self.model.eval()  # no dropout draw, no BatchNorm update
+        try:
+            out = self.strategy.run(self._predict_step, args=(self.model, x))
+        finally:
+            self.model.train()
+        if not isinstance(out, jax.Array | PerReplica):
+            return
+        y_pred = jax.tree.map(
+            to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
+        )
+        labels = all_labels if _is_arrays(all_labels) else y
+        if isinstance(labels, PerReplica):
+            labels = self.strategy.gather(labels, axis=0)
+        if isinstance(labels, np.ndarray | jax.Array):
+            host = jax.tree.map(to_host, labels)
+            _objectives.check_labels(self.loss, host, tuple(np.shape(y_pred)))
+        warning = _objectives.logits_warning(self.loss, y_pred)
+        if warning:
+            logger.warning(warning)
+
     # -- verification -----------------------------------------------------------------------------
 
     def verify(
@@ -513,7 +592,7 @@ class Trainer:
         return verify(
             self.strategy,
             self._train_step,
-            (self.model, self.optimizer, self._zeros(), *_batch_args(batch)),
+            (self.model, self.optimizer, self._zeros(), self._stateful, *_batch_args(batch)),
             expected_replicas=expected_replicas,
             dataset_size=size,
             steps_per_epoch=steps_per_epoch,
@@ -543,11 +622,12 @@ class Trainer:
         callbacks.on_test_begin({})
         self.model.eval()
         totals = self._zeros()
+        self._reset_metrics()
         for step, batch in enumerate(dataset.epoch_iterator(1)):
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
             totals = self.strategy.run(
-                self._eval_step, args=(self.model, totals, *_batch_args(batch))
+                self._eval_step, args=(self.model, totals, self._stateful, *_batch_args(batch))
             )
             if per_step:
                 callbacks.on_test_batch_end(step, logs=_Logs(functools.partial(self._read, totals)))

@@ -1,0 +1,94 @@
+"""Trainer with mirrored.metrics, and the fit pitfalls Keras leaves silent (issue 14)."""
+
+import logging
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from sklearn import metrics as sk
+
+import mirrored
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(77, 4)).astype(np.float32)  # 77 examples: ragged at batch 16 on 8
+Y = (X[:, 0] + 0.5 * RNG.normal(size=77) > 0).astype(np.float32)[:, None]
+
+
+class Logistic(nnx.Module):
+    def __init__(self, outputs=1, probabilities=True):
+        self.dense = nnx.Linear(4, outputs, rngs=nnx.Rngs(0))
+        self.probabilities = probabilities
+
+    def __call__(self, x):
+        z = self.dense(x)
+        if not self.probabilities:
+            return z
+        return jax.nn.sigmoid(z) if z.shape[-1] == 1 else jax.nn.softmax(z)
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return mirrored.MirroredStrategy(jax.devices())
+
+
+def test_stateful_and_mean_metrics_in_fit_and_evaluate_equal_sklearn(strategy):
+    with strategy.scope():
+        model = Logistic()
+        trainer = mirrored.Trainer(
+            model,
+            optax.sgd(0.1),
+            "binary_crossentropy",
+            metrics=[
+                "auc",
+                mirrored.metrics.Precision(name="p"),
+                mirrored.metrics.BinaryAccuracy(name="acc"),  # a mean: exact running sums
+            ],
+            weighted_metrics=[mirrored.metrics.Recall()],
+        )
+    weights = RNG.uniform(0.5, 2.0, 77).astype(np.float32)
+    history = trainer.fit(X, Y, batch_size=16, epochs=2, verbose=0, validation_data=(X, Y))
+    assert set(history.history) >= {"auc", "p", "acc", "recall", "val_auc", "val_p"}
+    results = trainer.evaluate(X, Y, batch_size=16, sample_weight=weights)
+    p = trainer.predict(X)[:, 0]
+    assert results["auc"] == pytest.approx(sk.roc_auc_score(Y[:, 0], p), abs=5e-3)
+    assert results["p"] == pytest.approx(sk.precision_score(Y[:, 0], p > 0.5), abs=1e-6)
+    assert results["acc"] == pytest.approx(np.mean((p > 0.5) == Y[:, 0]), abs=1e-6)
+    expected_recall = sk.recall_score(Y[:, 0], p > 0.5, sample_weight=weights)
+    assert results["recall"] == pytest.approx(expected_recall, abs=1e-6)
+    # Validation ran on the same data with the same end-of-epoch model: the same numbers.
+    assert history.history["val_p"][-1] == pytest.approx(results["p"], abs=1e-6)
+
+
+def test_a_logits_model_with_keras_default_from_logits_warns_once(strategy, caplog):
+    y = RNG.integers(0, 3, 77).astype(np.int32)
+    with strategy.scope():
+        model = Logistic(outputs=3, probabilities=False)
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
+    with caplog.at_level(logging.WARNING, logger="mirrored"):
+        trainer.fit(X, y, batch_size=16, epochs=2, verbose=0)
+    warnings = [r for r in caplog.records if "from_logits=True" in r.getMessage()]
+    assert len(warnings) == 1 and "look like logits" in warnings[0].getMessage()
+
+
+def test_a_probability_model_does_not_warn(strategy, caplog):
+    y = RNG.integers(0, 3, 77).astype(np.int32)
+    with strategy.scope():
+        model = Logistic(outputs=3)
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
+    with caplog.at_level(logging.WARNING, logger="mirrored"):
+        trainer.fit(X, y, batch_size=16, verbose=0)
+    assert not [r for r in caplog.records if "from_logits" in r.getMessage()]
+
+
+def test_sparse_labels_outside_the_class_range_raise_with_the_value(strategy):
+    y = RNG.integers(0, 3, 77).astype(np.int32)
+    y[60] = 7  # not in the first batch: the whole label array is checked
+    with strategy.scope():
+        model = Logistic(outputs=3)
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
+    before = np.asarray(model.dense.kernel[...])
+    with pytest.raises(ValueError, match=r"labels in \[0, 3\).*found label 7"):
+        trainer.fit(X, y, batch_size=16, verbose=0)
+    np.testing.assert_array_equal(np.asarray(model.dense.kernel[...]), before)  # no step ran
