@@ -210,14 +210,6 @@ def test_a_subclassed_metric_counts_real_rows_only(strategy):
     assert float(rate.result()) == pytest.approx(np.mean(LOGITS[:, 0] > 0))
 
 
-def test_a_flax_metric_inside_run_names_mirrored_metrics(strategy):
-    with strategy.scope():
-        average = nnx.metrics.Average()
-    ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
-    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="use mirrored.metrics"):
-        strategy.run(lambda m, v: m.update(values=v), args=(average, v))
-
-
 def test_bad_metric_arguments_say_what_was_expected():
     with pytest.raises(ValueError, match="num_thresholds to be an int > 1"):
         M.AUC(num_thresholds=1)
@@ -239,3 +231,34 @@ def test_a_value_every_replica_holds_counts_once_per_replica_as_tensorflow(strat
     strategy.run(step, args=(total, mean, values))
     assert float(total.result()) == 8 * values.sum()  # SYNC_ON_READ SUM over 8 replicas
     assert float(mean.result()) == pytest.approx(values.mean())  # total and count alike
+
+
+def test_flax_average_accuracy_and_multimetric_inside_run_equal_one_device(strategy):
+    """Flax's tutorial metrics, updated inside the step: sums combined, padding masked."""
+
+    def step(metrics, y, p, v):
+        metrics.update(logits=p, labels=y, values=v)
+
+    def make():
+        return nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("values"))
+
+    loss_values = RNG.normal(size=N).astype(np.float32)
+    with strategy.scope():
+        ours = make()
+    for y, p, v in strategy.experimental_distribute_dataset(_batches(LABELS, LOGITS, loss_values)):
+        strategy.run(step, args=(ours, y, p, v))
+    reference = make()  # one device, the whole data at once
+    reference.update(logits=jnp.asarray(LOGITS), labels=jnp.asarray(LABELS), values=loss_values)
+    got, want = ours.compute(), reference.compute()
+    assert float(got["accuracy"]) == pytest.approx(float(want["accuracy"]), abs=1e-6)
+    assert float(got["loss"]) == pytest.approx(float(want["loss"]), abs=1e-6)
+    assert int(ours.accuracy.count[...]) == N  # real rows only
+    assert_bit_identical_on_devices(ours)
+
+
+def test_a_flax_metric_that_is_not_a_sum_is_refused_with_the_fix(strategy):
+    with strategy.scope():
+        welford = nnx.metrics.Welford()
+    ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
+    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="Welford.*not a sum"):
+        strategy.run(lambda m, v: m.update(values=v), args=(welford, v))

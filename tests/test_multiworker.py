@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mirrored
-from mirrored._multiworker import first_slurm_host, resolve_cluster
+from mirrored._multiworker import resolve_cluster
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,32 +51,46 @@ def test_bad_tf_config(config, match, monkeypatch):
         mirrored.TFConfigClusterResolver()
 
 
-def test_slurm():
-    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "gpu[003-004,009]"}
-    resolver = mirrored.SlurmClusterResolver(port=5555, environ=env)
+def test_slurm(monkeypatch):
+    # srun's variables; tests/test_multiworker_failfast.py compares more with JAX's detection.
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "gpu[003-004,009]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    resolver = mirrored.SlurmClusterResolver(port=5555)
     assert resolver.coordinator_address == "gpu003:5555"
     assert (resolver.num_processes, resolver.process_id) == (4, 2)
-    assert first_slurm_host("node7,node8") == "node7"
-    with pytest.raises(ValueError, match="srun"):
-        mirrored.SlurmClusterResolver(environ={"SLURM_NTASKS": "2"})
+    monkeypatch.setenv("SLURM_PROCID", "4")
     with pytest.raises(ValueError, match="process_id < num_processes"):
-        mirrored.SlurmClusterResolver(environ={**env, "SLURM_PROCID": "4"})
+        mirrored.SlurmClusterResolver()
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    with pytest.raises(ValueError, match="srun"):
+        mirrored.SlurmClusterResolver()
 
 
-def test_resolution_order():
+def test_resolution_order(monkeypatch):
+    for name in ("TF_CONFIG", "SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    assert resolve_cluster() is None
+    tf = '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}'
+    monkeypatch.setenv("TF_CONFIG", tf)
+    assert isinstance(resolve_cluster(), mirrored.TFConfigClusterResolver)
     launcher = {
         "MIRRORED_COORDINATOR_ADDRESS": "127.0.0.1:9",
         "MIRRORED_NUM_PROCESSES": "2",
         "MIRRORED_PROCESS_ID": "1",
         "MIRRORED_LOCAL_DEVICES": "2",
-        "TF_CONFIG": "{}",
     }
-    resolver = resolve_cluster(launcher)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    resolver = resolve_cluster()
     assert isinstance(resolver, mirrored.EnvironmentClusterResolver)
     assert resolver.local_devices == 2 and resolver.process_id == 1
-    tf = '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}'
-    assert isinstance(resolve_cluster({"TF_CONFIG": tf}), mirrored.TFConfigClusterResolver)
-    assert resolve_cluster({}) is None
     with pytest.raises(ValueError, match="mirrored launch"):
         mirrored.EnvironmentClusterResolver({"MIRRORED_NUM_PROCESSES": "2"})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,8 +22,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# gloo (inside jaxlib) prints "[Gloo] Rank i is connected to n peer ranks. Expected number of
+# connected peer ranks is : n" to stdout, unconditionally, whenever it connects the processes of
+# a collective; several threads of one process print at once, so their pieces interleave.
+_GLOO_PIECES = re.compile(
+    r"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. "
+    r"|Expected number of connected peer ranks is : )+\s*"
+)
+_GLOO_LINE = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)\s*"
+)
+
+
+def is_gloo_noise(line: str) -> bool:
+    """Whether `line` is (pieces of) gloo's report that a collective connected its peers.
+
+    A whole report with fewer peers than expected is not noise: it names a missing peer.
+    """
+    text = line.rstrip("\r\n")
+    if "[Gloo] Rank " not in text and " peer ranks" not in text:
+        return False
+    whole = _GLOO_LINE.fullmatch(text)
+    if whole is not None:
+        return whole[1] == whole[2]
+    return _GLOO_PIECES.fullmatch(text) is not None
+
+
 def _pump(stream: IO[str], rank: int, lock: threading.Lock) -> None:
     for line in stream:
+        if is_gloo_noise(line):
+            continue
         with lock:
             sys.stdout.write(f"[rank {rank}] {line}")
             sys.stdout.flush()
@@ -54,7 +84,8 @@ def launch(
 ) -> int:
     """Run `command` as `num_processes` workers on 127.0.0.1; returns the first failure's code.
 
-    Each output line is prefixed with its rank. When a worker fails, the others are stopped
+    Each output line is prefixed with its rank; gloo's "Rank i is connected to n peer ranks"
+    lines are left out unless a peer is missing. When a worker fails, the others are stopped
     (SIGTERM, then SIGKILL after `grace_s`), so nothing of the job is left running.
     """
     if num_processes < 1:

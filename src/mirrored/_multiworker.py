@@ -1,24 +1,29 @@
 """MultiWorkerMirroredStrategy: one mesh over the devices of every process (jax.distributed).
 
-The cluster comes from a resolver: TensorFlow's `TF_CONFIG`, SLURM's variables, or the
-`MIRRORED_*` variables `mirrored launch` sets. Worker 0 (or the chief) hosts the coordinator.
-On CPUs the collectives go through gloo, with a timeout so that a dead or stalled peer becomes
-a Python exception in the survivors instead of a hang.
+The cluster comes from a resolver: the `MIRRORED_*` variables `mirrored launch` sets,
+TensorFlow's `TF_CONFIG`, or what `jax.distributed.initialize()` itself detects (Open MPI,
+SLURM). Worker 0 (or the chief) hosts the coordinator. Before JAX's runtime starts, every
+worker meets the chief at the coordinator's port, so that a worker that never starts is a
+Python error in the others within `initialization_timeout`, not a C++ abort minutes later. On
+CPUs the collectives go through gloo, with a timeout so that a dead or stalled peer becomes a
+Python exception in the survivors instead of a hang.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax._src.clusters import ClusterEnv, OmpiCluster, SlurmCluster
 
 from mirrored._devices import device_name
 from mirrored._platform import _backends_initialized, simulate_cpu_devices
+from mirrored._rendezvous import initialization_seconds, rendezvous
 from mirrored._strategy import Strategy
 
 logger = logging.getLogger("mirrored")
@@ -57,6 +62,10 @@ class ClusterResolver:
             f"num_processes={self.num_processes}, process_id={self.process_id}, "
             f"task_type={self.task_type!r}, task_id={self.task_id})"
         )
+
+    def _task_name(self, process_id: int) -> str:
+        # How the user's cluster spec names a process, for error messages.
+        return f"worker {process_id}"
 
 
 def _tf_config_error(found: str, fix: str) -> ValueError:
@@ -121,38 +130,58 @@ class TFConfigClusterResolver(ClusterResolver):
             task_type=kind,
             task_id=index,
         )
+        self._tasks = [f"chief {i} at {a}" for i, a in enumerate(chiefs)] + [
+            f"worker {i} at {a}" for i, a in enumerate(workers)
+        ]
+
+    def _task_name(self, process_id: int) -> str:
+        return self._tasks[process_id]
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: `"node[003-005,009],gpu1"` → `"node003"`."""
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"Expected a SLURM node list like 'node[001-004]'; found {nodelist!r}.")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+_SLURM_VARIABLES = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+
+
+def _from_jax_cluster(cluster: type[ClusterEnv], port: int | None) -> dict[str, Any]:
+    # The same coordinator, count and id that jax.distributed.initialize() would detect.
+    override = str(port) if port is not None else os.environ.get("JAX_COORDINATOR_PORT")
+    return {
+        "coordinator_address": cluster.get_coordinator_address(
+            timeout_secs=None, override_coordinator_port=override
+        ),
+        "num_processes": cluster.get_process_count(),
+        "process_id": cluster.get_process_id(),
+    }
 
 
 class SlurmClusterResolver(ClusterResolver):
-    """SLURM's `SLURM_NTASKS`, `SLURM_PROCID` and node list; the first node coordinates."""
+    """SLURM's `srun` variables, read by JAX's own SLURM detection.
 
-    def __init__(self, *, port: int = 12321, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
-        missing = [v for v in ("SLURM_NTASKS", "SLURM_PROCID") if v not in env]
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if missing or not nodelist:
+    The coordinator is the first node of the job step; `SLURM_NTASKS` processes, this one is
+    `SLURM_PROCID` — exactly what `jax.distributed.initialize()` detects.
+
+    Args:
+        port: the coordinator's port. Default: JAX's choice — `JAX_COORDINATOR_PORT`, else a
+            port derived from `SLURM_JOB_ID`, so that two jobs sharing a node do not collide.
+
+    Differs from tf.distribute: no `jobs`/`gpus_per_node` options; GPUs are assigned the way
+    `jax.distributed.initialize()` assigns them (one per task, by `SLURM_LOCALID`).
+    """
+
+    def __init__(self, *, port: int | None = None) -> None:
+        if not SlurmCluster.is_env_present():
+            missing = [v for v in _SLURM_VARIABLES if v not in os.environ]
             raise ValueError(
-                f"Expected SLURM's SLURM_NTASKS, SLURM_PROCID and SLURM_JOB_NODELIST; found "
-                f"{missing + ([] if nodelist else ['SLURM_JOB_NODELIST'])} missing. Fix: start "
-                "the workers with srun, one task per process."
+                f"Expected the variables srun sets for each task ({', '.join(_SLURM_VARIABLES)}); "
+                f"found {missing} missing. Fix: start the workers with srun, one task per "
+                "process (`srun --ntasks=4 python train.py`), not directly in the batch script."
             )
-        super().__init__(
-            coordinator_address=f"{first_slurm_host(nodelist)}:{port}",
-            num_processes=int(env["SLURM_NTASKS"]),
-            process_id=int(env["SLURM_PROCID"]),
-        )
+        super().__init__(**_from_jax_cluster(SlurmCluster, port))
 
 
 class EnvironmentClusterResolver(ClusterResolver):
@@ -177,19 +206,33 @@ class EnvironmentClusterResolver(ClusterResolver):
         )
 
 
-def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver | None:
-    """The cluster this process belongs to, from its environment; None when it runs alone."""
-    env = os.environ if environ is None else environ
+def resolve_cluster() -> ClusterResolver | None:
+    """The cluster this process belongs to, from its environment; None when it runs alone.
+
+    First match: `mirrored launch`'s variables, `TF_CONFIG`, then the environments
+    `jax.distributed.initialize()` detects from variables alone, in JAX's order: Open MPI
+    (`mpirun`), SLURM (`srun`).
+    """
+    env = os.environ
     if "MIRRORED_COORDINATOR_ADDRESS" in env:
-        return EnvironmentClusterResolver(env)
+        return EnvironmentClusterResolver()
     if env.get("TF_CONFIG"):
-        return TFConfigClusterResolver(env["TF_CONFIG"])
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
-        return SlurmClusterResolver(environ=env)
+        return TFConfigClusterResolver()
+    if OmpiCluster.is_env_present():
+        try:
+            return ClusterResolver(**_from_jax_cluster(OmpiCluster, None))
+        except (KeyError, ValueError, RuntimeError) as error:
+            raise ValueError(
+                "Expected Open MPI's OMPI_MCA_orte_hnp_uri, OMPI_COMM_WORLD_SIZE and "
+                f"OMPI_COMM_WORLD_RANK; found them incomplete or malformed ({error!r}). Fix: "
+                "start the workers with mpirun (Open MPI 4), one process per worker."
+            ) from error
+    if SlurmCluster.is_env_present() or env.get("SLURM_NTASKS", "1") not in ("", "1"):
+        return SlurmClusterResolver()
     return None
 
 
-def _initialize(resolver: ClusterResolver) -> None:
+def _initialize(resolver: ClusterResolver, timeout_s: float) -> None:
     if jax.distributed.is_initialized():
         return
     if _backends_initialized():
@@ -198,6 +241,7 @@ def _initialize(resolver: ClusterResolver) -> None:
             "already started its backend in this process. Fix: create the strategy before any "
             "JAX computation (right after the imports)."
         )
+    rendezvous(resolver, timeout_s)
     if resolver.local_devices:
         simulate_cpu_devices(resolver.local_devices)
     # A dead peer must become an exception in the survivors within seconds, not a hang.
@@ -209,7 +253,7 @@ def _initialize(resolver: ClusterResolver) -> None:
         coordinator_address=resolver.coordinator_address,
         num_processes=resolver.num_processes,
         process_id=resolver.process_id,
-        initialization_timeout=120,
+        initialization_timeout=math.ceil(timeout_s),
         heartbeat_timeout_seconds=20,
     )
 
@@ -218,9 +262,19 @@ class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over the devices of several processes (and machines).
 
     Create it first thing in every worker: it starts `jax.distributed` from the cluster
-    resolver (default: `mirrored launch`'s variables, else `TF_CONFIG`, else SLURM; alone, it
-    runs as one process). Everything else — scope, run, reduce, input, Trainer, checkpoints,
-    verify — works unchanged; `num_replicas_in_sync` counts every replica of every worker.
+    resolver (default: `mirrored launch`'s variables, else `TF_CONFIG`, else Open MPI or SLURM
+    as JAX detects them; alone, it runs as one process). Everything else — scope, run, reduce,
+    input, Trainer, checkpoints, verify — works unchanged; `num_replicas_in_sync` counts every
+    replica of every worker.
+
+    Args:
+        cluster_resolver: where the cluster is; None resolves it from the environment.
+        initialization_timeout: seconds to wait for every worker to start. A worker that is
+            still missing then is a `TimeoutError` in every worker that did start, naming it.
+            Default: `$MIRRORED_INIT_TIMEOUT`, else 60.
+
+    Differs from tf.distribute: TensorFlow has no such timeout (its workers wait for each
+    other); here a missing worker is an error within `initialization_timeout`.
 
     Example:
         >>> strategy = mirrored.MultiWorkerMirroredStrategy()   # in a script run by
@@ -231,12 +285,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         self,
         cluster_resolver: ClusterResolver | None = None,
         *,
+        initialization_timeout: float | None = None,
         max_in_flight: int = 2,
         donate: bool = True,
     ) -> None:
+        timeout_s = initialization_seconds(initialization_timeout)
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         if resolver is not None and resolver.num_processes > 1:
-            _initialize(resolver)
+            _initialize(resolver, timeout_s)
         elif resolver is not None and resolver.local_devices:
             simulate_cpu_devices(resolver.local_devices)
         self.cluster_resolver = resolver or ClusterResolver(

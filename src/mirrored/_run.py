@@ -375,7 +375,12 @@ class Runner:
         stat_slots = [i for i, v in enumerate(unique) if isinstance(v, nnx.BatchStat)]
         # mirrored.metrics sums: each replica adds its own rows; the additions are summed
         # (TensorFlow's SYNC_ON_READ SUM), so the state stays mirrored.
-        metric_slots = [i for i, v in enumerate(unique) if isinstance(v, metrics.MetricState)]
+        flax_sums = metrics.summable_flax_states((args, kwargs))
+        metric_slots = [
+            i
+            for i, v in enumerate(unique)
+            if isinstance(v, metrics.MetricState) or id(v) in flax_sums
+        ]
         fn_name = getattr(fn, "__name__", type(fn).__name__)
         recorded: dict[str, Any] = {}
 
@@ -409,8 +414,11 @@ class Runner:
             )
             token = _context.enter_replica(ctx)
             try:
-                # A padded batch: BatchNorm's batch statistics leave the padded rows out.
-                with layers.masked_batch_norm() if masked else contextlib.nullcontext():
+                # A padded batch: BatchNorm statistics and Flax metrics leave padded rows out.
+                with contextlib.ExitStack() as patches:
+                    if masked:
+                        patches.enter_context(layers.masked_batch_norm())
+                        patches.enter_context(metrics.masked_flax_metrics())
                     out = fn(*call_args, **call_kwargs)
             finally:
                 _context.exit_replica(token)
@@ -599,10 +607,12 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
     if isinstance(variable, nnx.metrics.MetricState):
         return ReplicaDivergenceError(
             f"{fn_name!r} updated the Flax metric state {name} from this replica's shard of the "
-            "batch, so it differs between replicas. Flax's nnx.metrics keep one running value, "
-            "which N replicas cannot share.\n"
-            "Fix: use mirrored.metrics (Mean, Accuracy, SparseCategoricalAccuracy, ...), whose "
-            "sums every replica adds to and strategy.run combines exactly:\n"
+            "batch, so it differs between replicas. Flax's Average, Accuracy (and MultiMetrics "
+            "of them) hold sums, which strategy.run adds across replicas for you; this metric "
+            "(e.g. Welford's running mean and variance) is not a sum, so N replicas cannot "
+            "combine it exactly.\n"
+            "Fix: use mirrored.metrics (Mean, Accuracy, SparseCategoricalAccuracy, ...), or "
+            "nnx.metrics.Average, whose sums every replica adds to:\n"
             "  with strategy.scope():\n"
             "      accuracy = mirrored.metrics.SparseCategoricalAccuracy()\n"
             "  # in the step: accuracy.update_state(y, logits); after it: accuracy.result()"

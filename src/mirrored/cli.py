@@ -142,7 +142,9 @@ def bench(
 
 
 @app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    # Everything after SCRIPT is the script's: `mirrored launch -n 2 train.py -n 5` passes -n 5.
+    context_settings={"allow_extra_args": True, "allow_interspersed_args": False},
+    options_metavar="[OPTIONS] SCRIPT [ARGS]...",
 )
 def launch(
     ctx: typer.Context,
@@ -152,7 +154,10 @@ def launch(
     ),
     grace: float = typer.Option(5.0, help="Seconds between SIGTERM and SIGKILL on failure."),
 ) -> None:
-    """Run SCRIPT [ARGS] as N local workers of a MultiWorkerMirroredStrategy job."""
+    """Run SCRIPT [ARGS]... as N local workers of a MultiWorkerMirroredStrategy job.
+
+    SCRIPT is a .py file (run with this Python) or a program; every worker gets the same ARGS.
+    """
     import sys
 
     from mirrored._launch import launch as run_workers

@@ -21,8 +21,10 @@ compute `result()` from them.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -515,3 +517,57 @@ def get(name: str) -> Metric:
             "those, or a mirrored.metrics.Metric instance."
         )
     return _NAMED[name]()
+
+
+# -- Flax's nnx.metrics inside strategy.run -------------------------------------------------------
+
+_flax_average_update = nnx.metrics.Average.update
+
+
+def _masked_average_update(self: Any, mask: Any = None, **kwargs: Any) -> None:
+    """`nnx.metrics.Average.update` with a padded batch's rows masked out."""
+    values = kwargs.get(self.argname)
+    if isinstance(values, jax.Array | np.ndarray):
+        rows = _row_mask(jnp.asarray(values))
+        if rows is not None:
+            rows = jnp.broadcast_to(
+                rows.reshape(rows.shape + (1,) * (values.ndim - 1)), values.shape
+            )
+            mask = rows.astype(bool) if mask is None else jnp.logical_and(mask, rows.astype(bool))
+    _flax_average_update(self, mask=mask, **kwargs)
+
+
+def summable_flax_states(tree: Any) -> set[int]:
+    """Ids of the `MetricState`s of Flax `Average` metrics (and `Accuracy`) in `tree`: sums.
+
+    They combine across replicas as `mirrored.metrics` do. Other Flax metrics (`Welford`'s
+    running mean) are not sums and stay refused.
+    """
+    found: set[int] = set()
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree)):
+        if isinstance(leaf, nnx.Pytree):
+            for _, node in nnx.iter_graph(leaf):
+                if isinstance(node, nnx.metrics.Average):
+                    found.update((id(node.total), id(node.count)))
+    return found
+
+
+_flax_lock = threading.Lock()
+_flax_depth = 0
+
+
+@contextlib.contextmanager
+def masked_flax_metrics() -> Iterator[None]:
+    """While a padded batch's step is traced, Flax's `Average`/`Accuracy` skip padded rows."""
+    global _flax_depth
+    with _flax_lock:
+        if _flax_depth == 0:
+            nnx.metrics.Average.update = _masked_average_update  # type: ignore[method-assign]
+        _flax_depth += 1
+    try:
+        yield
+    finally:
+        with _flax_lock:
+            _flax_depth -= 1
+            if _flax_depth == 0:
+                nnx.metrics.Average.update = _flax_average_update  # type: ignore[method-assign]
