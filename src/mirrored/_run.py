@@ -39,8 +39,18 @@ _CONSTANT = "c"  # NumPy array or Python number: the same value on every replica
 _STATIC = "x"  # anything else: part of the program, compared by value
 
 
+def _undecorated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function inside `@nnx.jit` / `@jax.jit` (any options): `run` compiles the whole
+    step as one SPMD program itself, and a jit nested inside it would trace the replica's
+    values as constants of another program."""
+    while callable(getattr(fn, "lower", None)) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
 def _state_as_arguments(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Sequence[Any]]:
     """`run(model, ...)` and `run(model.method, ...)`: the module travels as an argument."""
+    fn = _undecorated(fn)
     if _type_kind(type(fn)) in "vg":
         return _call_object, (fn, *args)
     if _type_kind(type(getattr(fn, "__self__", None))) == "g":

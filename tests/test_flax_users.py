@@ -1,0 +1,63 @@
+"""A Flax user's code as written (issue 19): decorated steps and Flax metrics under run."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import params_of
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(21, 4)).astype(np.float32)  # batches of 8, 8 and a ragged 5
+Y = RNG.integers(0, 3, 21).astype(np.int32)
+
+
+def plain_step(model, optimizer, metrics, x, y):
+    def loss_fn(model):
+        logits = model(x)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return mirrored.compute_average_loss(per_example), logits
+
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    metrics.update(loss=loss, logits=logits, labels=y)  # Flax's tutorial, inside the step
+    optimizer.update(model, grads)
+
+
+DECORATED = {
+    "undecorated": plain_step,
+    "nnx.jit": nnx.jit(plain_step),
+    "jax.jit": jax.jit(plain_step),
+    "partial(nnx.jit, donate_argnums)": functools.partial(nnx.jit, donate_argnums=(0, 1))(
+        plain_step
+    ),
+}
+
+
+def _train(step):
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.3), wrt=nnx.Param)
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    batches = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 21, 8)]
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(model, optimizer, metrics, x, y))
+    return params_of(model), {k: float(v) for k, v in metrics.compute().items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train(plain_step)
+
+
+@pytest.mark.parametrize("name", [n for n in DECORATED if n != "undecorated"])
+def test_a_decorated_step_runs_as_the_undecorated_one(name, reference):
+    params, metrics = _train(DECORATED[name])
+    for key in reference[0]:
+        np.testing.assert_array_equal(params[key], reference[0][key])
+    assert metrics == reference[1]
+    assert 0 <= metrics["accuracy"] <= 1
