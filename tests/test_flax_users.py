@@ -61,3 +61,38 @@ def test_a_decorated_step_runs_as_the_undecorated_one(name, reference):
         np.testing.assert_array_equal(params[key], reference[0][key])
     assert metrics == reference[1]
     assert 0 <= metrics["accuracy"] <= 1
+
+
+def test_predict_and_evaluate_call_keras_hooks_once_each():
+    calls = []
+
+    class Recorder(mirrored.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            calls.append("test_begin")
+
+        def on_test_end(self, logs=None):
+            calls.append("test_end")
+
+        def on_predict_begin(self, logs=None):
+            calls.append("predict_begin")
+
+        def on_predict_batch_end(self, batch, logs=None):
+            calls.append(("predict_batch", batch, tuple(logs["outputs"].shape)))
+
+        def on_predict_end(self, logs=None):
+            calls.append("predict_end")
+
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
+    trainer.evaluate(X, Y, batch_size=16, callbacks=[Recorder()])
+    trainer.predict(X, batch_size=16, callbacks=[Recorder()])
+    assert calls == [
+        "test_begin",
+        "test_end",
+        "predict_begin",
+        ("predict_batch", 0, (16, 3)),
+        ("predict_batch", 1, (5, 3)),  # the ragged tail: its real rows only
+        "predict_end",
+    ]

@@ -554,9 +554,7 @@ class Trainer:
             self.model.train()
         if not isinstance(out, jax.Array | PerReplica):
             return
-        y_pred = jax.tree.map(
-            to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
-        )
+        y_pred = self._host_rows(out)
         labels = all_labels if _is_arrays(all_labels) else y
         if isinstance(labels, PerReplica):
             labels = self.strategy.gather(labels, axis=0)
@@ -671,26 +669,48 @@ class Trainer:
         )
         return self._run_eval(dataset, callback_list)
 
-    def predict(self, x: Any, *, batch_size: int | None = None, verbose: int = 0) -> Any:
-        """Model outputs for every example of `x`, as NumPy, in input order, without padding."""
+    def predict(
+        self,
+        x: Any,
+        *,
+        batch_size: int | None = None,
+        verbose: int = 0,
+        callbacks: Sequence[Callback] = (),
+    ) -> Any:
+        """Model outputs for every example of `x`, as NumPy, in input order, without padding.
+
+        `callbacks` get Keras' predict hooks (`on_predict_begin`, `on_predict_batch_end` with
+        `logs["outputs"]`, ...).
+        """
         del verbose
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
+        callback_list = CallbackList(callbacks)
+        callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})
+        per_step = callback_list.overrides("on_predict_batch_begin") or callback_list.overrides(
+            "on_predict_batch_end"
+        )
+        callback_list.on_predict_begin({})
         self.model.eval()
-        outputs = [
-            self.strategy.run(
+        outputs = []
+        for step, batch in enumerate(dataset.epoch_iterator(1)):
+            if per_step:
+                callback_list.on_predict_batch_begin(step, {})
+            out = self.strategy.run(
                 self._predict_step,
                 args=(self.model, batch[0] if isinstance(batch, tuple | list) else batch),
             )
-            for batch in dataset.epoch_iterator(1)
-        ]
-        # Outputs per example of a padded batch carry its mask: gather keeps the real rows.
-        rows = [
-            jax.tree.map(
-                to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
-            )
-            for out in outputs
-        ]
+            outputs.append(out)
+            if per_step:  # the batch's outputs on the host, real rows only (a sync per batch)
+                callback_list.on_predict_batch_end(step, {"outputs": self._host_rows(out)})
+        callback_list.on_predict_end({})
+        rows = [self._host_rows(out) for out in outputs]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+    def _host_rows(self, out: Any) -> Any:
+        # Outputs per example of a padded batch carry its mask: gather keeps the real rows.
+        return jax.tree.map(
+            to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
+        )
 
 
 def _check_batch_size(batch_size: Any) -> None:
