@@ -96,3 +96,48 @@ def test_predict_and_evaluate_call_keras_hooks_once_each():
         ("predict_batch", 1, (5, 3)),  # the ragged tail: its real rows only
         "predict_end",
     ]
+
+
+def test_doctor_step_imports_its_sibling_and_checks_a_dict_batch(tmp_path, monkeypatch):
+    from mirrored import _doctor
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "my_model.py").write_text(
+        "from flax import nnx\n\n"
+        "class Net(nnx.Module):\n"
+        "    def __init__(self):\n"
+        "        self.dense = nnx.Linear(4, 3, rngs=nnx.Rngs(0))\n\n"
+        "    def __call__(self, batch):\n"
+        "        return self.dense(batch['image'])\n"
+    )
+    (project / "my_step.py").write_text(
+        "import numpy as np, optax\n"
+        "from flax import nnx\n"
+        "import mirrored\n"
+        "from my_model import Net  # a module beside this file\n\n"
+        "def step(model, optimizer, batch):\n"
+        "    def loss_fn(model):\n"
+        "        per_example = optax.softmax_cross_entropy_with_integer_labels(\n"
+        "            model(batch), batch['label'])\n"
+        "        return mirrored.compute_average_loss(per_example)\n"
+        "    optimizer.update(model, nnx.grad(loss_fn)(model))\n\n"
+        "def make():\n"
+        "    strategy = mirrored.MirroredStrategy()\n"
+        "    with strategy.scope():\n"
+        "        model = Net()\n"
+        "        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    data = {'image': rng.normal(size=(32, 4)).astype(np.float32),\n"
+        "            'label': rng.integers(0, 3, 32).astype(np.int32)}\n"
+        "    (batch,) = list(strategy.experimental_distribute_dataset([data]))\n"
+        "    return strategy, step, (model, optimizer, batch)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    strategy, step, args = _doctor.user_step(f"{project}/my_step.py:make")
+    report = mirrored.verify(strategy, step, args, steps=1)
+    assert report.ok, report.to_json()
+    for name in ("Single-device equivalence", "Replicas in sync"):
+        assert report[name].status == "PASS", name
+    assert report["Input"].status == "INFO"  # 32 global on 8 replicas: a hint, not a warning
+    assert str(project) not in __import__("sys").path

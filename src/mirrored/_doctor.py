@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +41,18 @@ def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
     module_spec = importlib.util.spec_from_file_location("mirrored_doctor_user_step", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise AttributeError(f"Expected a function {name!r} in {path}; found {factory!r}.")
-    made = factory()
+    # As `python FILE` would: the file's folder is importable while it loads and runs, so it
+    # may import the modules beside it, from any working directory.
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        module_spec.loader.exec_module(module)
+        factory = getattr(module, name, None)
+        if not callable(factory):
+            raise AttributeError(f"Expected a function {name!r} in {path}; found {factory!r}.")
+        made = factory()
+    finally:
+        sys.path.remove(folder)
     if not (isinstance(made, tuple) and len(made) == 3):
         raise TypeError(
             f"Expected {name}() to return (strategy, step_fn, args); found {type(made).__name__}."

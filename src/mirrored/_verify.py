@@ -8,6 +8,7 @@ status, a one-line summary and a paragraph that explains and tells how to fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -357,9 +358,11 @@ def check_input(
                 data,
             )
     if num_replicas > 1 and per_replica < 8:
+        # A small per-replica batch is no evidence of a mistake by itself (a global 32 on 8
+        # replicas is a valid choice); one example per replica nearly always is one.
         return Check(
             "Input",
-            WARN,
+            WARN if per_replica == 1 else INFO,
             "; ".join(parts),
             f"Each replica gets only {per_replica} example(s) per step. batch_size is the "
             f"GLOBAL batch: if {global_batch} was meant per replica, pass "
@@ -388,7 +391,22 @@ def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) 
     copies = list(args)
     for i, obj in zip(positions, nnx.merge(graphdef, state), strict=True):  # type: ignore[arg-type]
         copies[i] = obj
-    return [_move_batch(a, strategy) if isinstance(a, PerReplica) else a for a in copies]
+    return _map_batches(lambda v: _move_batch(v, strategy), copies)
+
+
+def _map_batches(fn: Callable[[PerReplica], Any], args: Sequence[Any]) -> list[Any]:
+    """`fn` applied to every distributed value in `args`, nested ones too (a dict batch)."""
+
+    def one(a: Any) -> Any:
+        if isinstance(a, PerReplica):
+            return fn(a)
+        if is_state(a):
+            return a
+        return jax.tree.map(
+            one, a, is_leaf=lambda x: x is not a and (isinstance(x, PerReplica) or is_state(x))
+        )
+
+    return [one(a) for a in args]
 
 
 def _deterministic(args: list[Any]) -> list[Any]:
@@ -575,9 +593,7 @@ def _measure_scaling(
         def place(a: Any, sub: Any = sub) -> Any:
             return jax.device_put(a, sub._replicated)
 
-        copies = _copy_args(
-            [_take(a, rows) if isinstance(a, PerReplica) else a for a in args], place, sub
-        )
+        copies = _copy_args(_map_batches(functools.partial(_take, rows=rows), args), place, sub)
         sub.run(step_fn, args=copies)  # compile
         jax.block_until_ready(_mirrored_arrays(copies))
         start = time.perf_counter()
