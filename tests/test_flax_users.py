@@ -141,3 +141,49 @@ def test_doctor_step_imports_its_sibling_and_checks_a_dict_batch(tmp_path, monke
         assert report[name].status == "PASS", name
     assert report["Input"].status == "INFO"  # 32 global on 8 replicas: a hint, not a warning
     assert str(project) not in __import__("sys").path
+
+
+class CallTimeDropout(nnx.Module):
+    """Flax's tutorial style: Dropout without its own stream, rngs given at call time."""
+
+    def __init__(self):
+        self.dense = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.dense(self.dropout(x, rngs=rngs))
+
+
+def _fit_with_rngs(seed, replicas=8):
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    with strategy.scope():
+        model = CallTimeDropout()
+        trainer = mirrored.Trainer(
+            model,
+            optax.sgd(0.3),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            rngs=nnx.Rngs(dropout=seed),
+        )
+    trainer.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return trainer, params_of(model)
+
+
+def test_call_time_rngs_in_fit_differ_per_replica_repeat_from_the_seed_and_stay_out_of_eval():
+    trainer, first = _fit_with_rngs(1)
+    _, again = _fit_with_rngs(1)
+    _, other = _fit_with_rngs(2)
+    for key in first:
+        np.testing.assert_array_equal(first[key], again[key])  # reproducible from the seed
+    assert any(not np.array_equal(first[k], other[k]) for k in first)  # the seed matters
+    assert int(trainer.rngs.dropout.count[...]) == 6  # one draw per step: 3 steps × 2 epochs
+    # evaluate and predict: eval mode, no rngs, deterministic
+    a, b = trainer.evaluate(X, Y), trainer.evaluate(X, Y)
+    assert a == b
+    np.testing.assert_allclose(trainer.predict(X), np.asarray(trainer.model(X)), atol=1e-6)
+
+
+def test_rngs_must_be_nnx_rngs():
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope(), pytest.raises(TypeError, match="Expected rngs to be an nnx.Rngs"):
+        mirrored.Trainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1), "mse", rngs=0)

@@ -62,26 +62,37 @@ def _make_steps(
         return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
 
     def train_step(
-        model: Any, optimizer: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None
+        model: Any,
+        optimizer: Any,
+        totals: Any,
+        stateful: Any,
+        rngs: Any,
+        x: Any,
+        y: Any,
+        w: Any = None,
     ) -> Any:
-        def loss_of(model: Any) -> Any:
-            y_pred = _float32(model(x))  # losses in float32 whatever the compute dtype
+        # The call-time random stream goes through the gradient as an argument (not a
+        # capture), so the draws it makes inside are written back.
+        def loss_of(model: Any, rngs: Any) -> Any:
+            # Losses in float32 whatever the compute dtype; call-time randomness if given.
+            y_pred = _float32(model(x) if rngs is None else model(x, rngs=rngs))
             per_example = _objectives.per_example(loss_fn(y, y_pred))
             return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
 
         scaled = isinstance(optimizer, LossScaleOptimizer)
         if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
 
-            def scaled_loss_of(model: Any) -> Any:
-                loss, aux = loss_of(model)
+            def scaled_loss_of(model: Any, rngs: Any) -> Any:
+                loss, aux = loss_of(model, rngs)
                 return optimizer.get_scaled_loss(loss), aux
 
             (_, (y_pred, per_example)), grads = nnx.value_and_grad(scaled_loss_of, has_aux=True)(
-                model
+                model, rngs
             )
             optimizer.apply(model, optimizer.get_unscaled_gradients(grads))
         else:
-            (_, (y_pred, per_example)), grads = nnx.value_and_grad(loss_of, has_aux=True)(model)
+            value_and_grad = nnx.value_and_grad(loss_of, has_aux=True)
+            (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
             optimizer.update(model, grads)
         update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, per_example, y, y_pred, w)
@@ -175,7 +186,8 @@ class Trainer:
     Create it inside `strategy.scope()` (with the model); the optimizer state is created there.
 
     Args:
-        model: an NNX module called as `model(x)`.
+        model: an NNX module called as `model(x)` (`model(x, rngs=rngs)` in `fit` when `rngs`
+            is given).
         optimizer: an Optax transformation, or an `nnx.Optimizer` made in the scope.
         loss: a Keras loss name (`"sparse_categorical_crossentropy"`,
             `"categorical_crossentropy"`, `"binary_crossentropy"`, `"mse"`, `"mae"`), a
@@ -193,6 +205,11 @@ class Trainer:
         gradient_accumulation_steps: apply one update per this many batches, with the mean of
             their mean gradients (Keras' and `optax.MultiSteps`' rule: one step on a k-times
             larger batch when the batches are full; a ragged one weighs as much as a full one).
+        rngs: for a model that takes its randomness at call time (Flax's tutorial style,
+            `__call__(self, x, rngs=None)`): `fit` calls `model(x, rngs=rngs)`, each replica
+            drawing its own numbers, new ones every step, reproducible from the seed;
+            `evaluate` and `predict` call `model(x)` in eval mode (`model.eval()`: Dropout off,
+            BatchNorm on its moving statistics). Create it inside `strategy.scope()`.
 
     Example:
         >>> with strategy.scope():
@@ -216,8 +233,18 @@ class Trainer:
         policy: Policy | str | None = None,
         global_clipnorm: float | None = None,
         gradient_accumulation_steps: int = 1,
+        rngs: nnx.Rngs | None = None,
     ) -> None:
         self.strategy = strategy or get_strategy()
+        if rngs is not None:
+            if not isinstance(rngs, nnx.Rngs):
+                raise TypeError(
+                    f"Expected rngs to be an nnx.Rngs, given to the model's call in fit as "
+                    f"model(x, rngs=rngs); found {type(rngs).__name__}. Fix: "
+                    "rngs=nnx.Rngs(dropout=0), created inside strategy.scope()."
+                )
+            self.strategy._runner.check_mirrored(rngs, "rngs")
+        self.rngs = rngs
         self.policy = global_policy() if policy is None else _as_policy(policy)
         self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
@@ -508,6 +535,7 @@ class Trainer:
                         self.optimizer,
                         self._train_totals,
                         self._stateful,
+                        self.rngs,
                         *_batch_args(batch),
                     ),
                 )
@@ -590,7 +618,14 @@ class Trainer:
         return verify(
             self.strategy,
             self._train_step,
-            (self.model, self.optimizer, self._zeros(), self._stateful, *_batch_args(batch)),
+            (
+                self.model,
+                self.optimizer,
+                self._zeros(),
+                self._stateful,
+                self.rngs,
+                *_batch_args(batch),
+            ),
             expected_replicas=expected_replicas,
             dataset_size=size,
             steps_per_epoch=steps_per_epoch,
