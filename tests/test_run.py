@@ -268,3 +268,25 @@ def test_non_pytree_modules_are_refused_with_the_fix(devices):
         legacy = Legacy()
     with pytest.raises(TypeError, match="pytree=False"):
         strategy.run(lambda m: m.w[...], args=(legacy,))
+
+
+def test_a_step_defined_inside_the_calling_function_compiles_once_and_respects_its_closure():
+    """TensorFlow's tutorials define step_fn inside train_step: a new object every call."""
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    (x,) = list(strategy.experimental_distribute_dataset([np.ones((16, 4), np.float32)]))
+
+    def outer(scale):
+        def step_fn(model, x):
+            return model(x).sum() * scale
+
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(model, x)), axis=None)
+
+    first = float(outer(1.0))
+    for i in range(3):
+        assert float(outer(float(f"{1 + i * 0}.0"))) == first  # a new, equal float: one program
+    scale = 2.0  # held by the closure: another constant, another program
+    assert float(outer(scale)) == pytest.approx(2 * first)
+    assert len(strategy._runner._programs) == 2
+    assert len(strategy._runner._guards) == 2

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -56,6 +57,55 @@ def _state_as_arguments(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[An
     if _type_kind(type(getattr(fn, "__self__", None))) == "g":
         return fn.__func__, (fn.__self__, *args)  # type: ignore[attr-defined]
     return fn, args
+
+
+_EMPTY_CELL = object()
+_BY_VALUE = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+class _FnKey:
+    """A step function by what it computes: its code, and what its closure and defaults hold
+    (compared by identity, and kept alive so an id is never reused).
+
+    TensorFlow's tutorials define `step_fn` inside the function that calls `run`: a new
+    function object on every call. Keyed by the object, every step would compile anew and
+    the caches would grow without end.
+    """
+
+    __slots__ = ("_code", "_hash", "_held")
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                cells.append(_EMPTY_CELL)
+        kwdefaults = tuple(sorted((fn.__kwdefaults__ or {}).items()))
+        self._code = fn.__code__
+        held = (*cells, *(fn.__defaults__ or ()), *(v for _, v in kwdefaults))
+        # Python scalars by value (a new float each call is the same constant); the rest by
+        # identity.
+        self._held = tuple((type(v), v) if type(v) in _BY_VALUE else (None, v) for v in held)
+        self._hash = hash((self._code, *(v if t is not None else id(v) for t, v in self._held)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _FnKey)
+            and other._code is self._code
+            and len(other._held) == len(self._held)
+            and all(
+                ta is tb and (a == b if ta is not None else a is b)
+                for (ta, a), (tb, b) in zip(other._held, self._held, strict=True)
+            )
+        )
+
+
+def _fn_key(fn: Callable[..., Any]) -> Any:
+    return _FnKey(fn) if type(fn) is types.FunctionType else fn
 
 
 def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
@@ -248,7 +298,8 @@ class Runner:
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         fn, args = _state_as_arguments(fn, args)
-        guard = self._guards.get(fn)
+        fn_key = _fn_key(fn)
+        guard = self._guards.get(fn_key)
         if guard is not None:
             # Fast path: the state's structure is as last time; only the batch is flattened.
             inputs = guard.inputs(args, kwargs, self._check_split, self.is_mirrored)
@@ -259,7 +310,7 @@ class Runner:
                 return self._call(guard.program, guard, state, split, rep)
         program, sorted_ = self._program_for(fn, args, kwargs)
         guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
-        self._guards[fn] = guard
+        self._guards[fn_key] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
         return self._call(program, guard, self._own_buffers(sorted_.state), *sorted_.with_mask())
@@ -280,7 +331,7 @@ class Runner:
         masked = sorted_.mask is not None
         statics = tuple((type(x), x) for x in sorted_.statics)  # True and 1 differ
         # `verify` traces BatchNorm on global statistics: a program of its own.
-        key = (fn, treedef, signature, statics, sharing, masked, layers.synchronizing())
+        key = (_fn_key(fn), treedef, signature, statics, sharing, masked, layers.synchronizing())
         program = self._programs.get(key)
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
