@@ -52,6 +52,7 @@ def test_included_snippets_are_tested_examples():
         "examples/multi_worker.py",
         "examples/cnn_digits.py",
         "examples/transformer_lm.py",
+        "examples/tutorial_multi_worker_custom_training.py",
     }
     for path in included:
         assert (ROOT / path).exists(), path
