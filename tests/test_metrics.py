@@ -177,7 +177,7 @@ def test_reset_state_keeps_the_metric_mirrored_and_a_result_reads_anywhere(strat
     ((y, p),) = strategy.experimental_distribute_dataset([(LABELS[:16], LOGITS[:16])])
     strategy.run(_update_unweighted, args=(accuracy, y, p))
     first = float(accuracy.result())
-    accuracy.reset_state()
+    accuracy.reset_states()  # Keras 2's name, as TensorFlow's tutorials write it
     assert float(accuracy.result()) == 0.0 and float(accuracy.count[...]) == 0.0
     strategy.run(_update_unweighted, args=(accuracy, y, p))  # still mirrored: run accepts it
     assert float(accuracy.result()) == first

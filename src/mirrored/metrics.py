@@ -114,6 +114,10 @@ class Metric(nnx.Module):
             if isinstance(state, MetricState):
                 state[...] = jnp.zeros_like(state[...])
 
+    def reset_states(self) -> None:
+        """Keras 2's name of `reset_state` (TensorFlow's tutorials still call it)."""
+        self.reset_state()
+
     def weights(self, values: Any, sample_weight: Any = None) -> Any:
         """Per-row weights for `values` (batch first): `sample_weight` times the real-row mask.
 
