@@ -207,3 +207,22 @@ def test_model_checkpoint_keeps_max_to_keep_epochs(devices_module, tmp_path, opt
     callback = mirrored.callbacks.ModelCheckpoint(tmp_path, monitor="loss", **options)
     trainer.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[callback])
     assert steps_on_disk(tmp_path) == kept
+
+
+def test_saving_an_existing_step_replaces_it_as_keras_overwrites(tmp_path):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    mirrored.save_checkpoint(tmp_path, model, step=1, extras={"run": 1})
+    model.bias[...] = model.bias[...] + 1.0
+    mirrored.save_checkpoint(tmp_path, model, step=1, extras={"run": 2})  # was an Orbax error
+    assert mirrored.checkpoint_extras(tmp_path) == {"run": 2}
+    restored = nnx.Linear(2, 2, rngs=nnx.Rngs(5))
+    mirrored.restore_checkpoint(tmp_path, restored)
+    np.testing.assert_array_equal(np.asarray(restored.bias[...]), np.asarray(model.bias[...]))
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_latest_checkpoint_ignores_keras_style_per_epoch_directories(tmp_path):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    mirrored.save_checkpoint(tmp_path / "ckpt_0003", model, step=3)
+    assert mirrored.latest_checkpoint(tmp_path) is None  # ckpt_0003 is a directory, not a step
+    assert mirrored.latest_checkpoint(tmp_path / "ckpt_0003") == str(tmp_path / "ckpt_0003" / "3")

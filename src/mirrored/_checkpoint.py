@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -148,6 +149,21 @@ def _extras_arrays(extras: Mapping[str, Any] | None) -> dict[str, Any]:
     return {_EXTRAS + name: _extra_value(name, value) for name, value in extras.items()}
 
 
+def _steps(path: str) -> list[int]:
+    """The complete checkpoints in `path`: the step directories Orbax names by their number.
+
+    A save in progress is `<step>.orbax-checkpoint-tmp-...`; `ckpt_0003` (a Keras-style
+    layout of one directory per epoch) is a checkpoint directory of its own, not a step.
+    """
+    if not os.path.isdir(path):
+        return []
+    return sorted(
+        int(name)
+        for name in os.listdir(path)
+        if name.isdigit() and os.path.isdir(os.path.join(path, name))
+    )
+
+
 def _locate(directory: str | os.PathLike[str], step: int | None) -> tuple[str, int | None]:
     """The checkpoint directory and step named by `directory` (and `step`).
 
@@ -163,11 +179,7 @@ def _locate(directory: str | os.PathLike[str], step: int | None) -> tuple[str, i
     parent, name = os.path.split(path)
     # A step directory holds items, not steps; a directory named "3" that holds steps (as
     # ModelCheckpoint("ckpt/{epoch}") writes) is a checkpoint directory of its own.
-    if (
-        name.isdigit()
-        and not ocp.utils.checkpoint_steps(path)
-        and int(name) in ocp.utils.checkpoint_steps(parent)
-    ):
+    if name.isdigit() and not _steps(path) and int(name) in _steps(parent):
         if step is not None and step != int(name):
             raise ValueError(
                 f"Expected step to be None or {int(name)} with the step directory {path}; "
@@ -205,9 +217,19 @@ class Checkpoints:
         return self._manager.latest_step()
 
     def save(self, step: int, arrays: Mapping[str, Any]) -> None:
-        if is_chief():
-            self._manager.save(step, args=ocp.args.PyTreeSave(dict(arrays)), force=True)
-            self._manager.wait_until_finished()
+        if not is_chief():
+            return
+        # Saving a step that exists replaces it, as Keras overwrites (Orbax refuses): the old
+        # one is moved aside (no longer a step) and deleted once the new one is complete.
+        old = os.path.join(self.directory, str(step))
+        aside = f"{old}.mirrored-replaced"
+        if os.path.isdir(old):
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(old, aside)
+            self._manager.reload()
+        self._manager.save(step, args=ocp.args.PyTreeSave(dict(arrays)), force=True)
+        self._manager.wait_until_finished()
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _read(self, step: int | None, wanted: Callable[[str], bool]) -> dict[str, Any]:
         """The entries of checkpoint `step` (the newest if None) whose keys are `wanted`."""
@@ -358,5 +380,5 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
         >>> path = mirrored.latest_checkpoint("ckpt/")  # e.g. '/abs/ckpt/12', or None
     """
     root = os.path.abspath(os.fspath(directory))
-    steps = ocp.utils.checkpoint_steps(root) if os.path.isdir(root) else []
+    steps = _steps(root)
     return os.path.join(root, str(max(steps))) if steps else None

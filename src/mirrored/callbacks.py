@@ -182,7 +182,8 @@ class History(Callback):
 
 
 def _format(logs: Mapping[str, float]) -> str:
-    return "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
+    # Keras' progress bar (utils/progbar.py): 4 decimals above 1e-3, else scientific.
+    return "  ".join(f"{k} {v:.4f}" if v > 1e-3 else f"{k} {v:.4e}" for k, v in logs.items())
 
 
 class ProgbarLogger(Callback):
