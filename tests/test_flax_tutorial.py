@@ -1,0 +1,53 @@
+"""Flax's MNIST tutorial as written, under mirrored (issue 19): examples/flax_mnist_tutorial.py."""
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import assert_bit_identical_on_devices, params_of
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flax_mnist_tutorial.py"
+_spec = importlib.util.spec_from_file_location("flax_mnist_tutorial", EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+tutorial = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tutorial)
+
+
+def test_the_tutorial_trains_to_high_test_accuracy(capsys):
+    history = tutorial.main(["--train-steps", "200", "--eval-every", "100"])
+    out = capsys.readouterr().out
+    assert "replicas: 8" in out and "[test] step: 199" in out
+    assert history["test_accuracy"][-1] > 0.95
+    assert all(0 < a <= 1 for a in history["train_accuracy"])
+
+
+def _five_steps(strategy, batches):
+    with strategy.scope():
+        model = tutorial.CNN(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+        rngs = nnx.Rngs(0)
+    # Dropout off and BatchNorm on global statistics: one device's numbers are defined.
+    train_model = nnx.view(model, deterministic=True, use_running_average=False)
+    with mirrored.layers.synchronized_batch_norm():
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(tutorial.train_step, args=(train_model, optimizer, metrics, rngs, batch))
+    return model, {k: float(v) for k, v in metrics.compute().items()}
+
+
+def test_eight_replicas_equal_one_device_over_five_tutorial_steps_metrics_included():
+    train, _ = tutorial.load_dataset()
+    batches = tutorial.batches(train, 32, steps=5)
+    ours, our_metrics = _five_steps(mirrored.MirroredStrategy(jax.devices()), batches)
+    theirs, their_metrics = _five_steps(mirrored.OneDeviceStrategy(jax.devices()[0]), batches)
+    a, b = params_of(ours), params_of(theirs)
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
+    for name in ("accuracy", "loss"):
+        assert our_metrics[name] == pytest.approx(their_metrics[name], abs=1e-5)
+    assert_bit_identical_on_devices(ours)
