@@ -115,7 +115,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         [
             "real_models.py",
             "--devices",
-            "2",
+            "1",
             "--steps",
             "2",
             "--repeats",

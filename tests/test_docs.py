@@ -54,6 +54,7 @@ def test_included_snippets_are_tested_examples():
         "examples/transformer_lm.py",
         "examples/tutorial_multi_worker_custom_training.py",
         "examples/tutorial_keras.py",
+        "examples/flax_mnist_tutorial.py",
     }
     for path in included:
         assert (ROOT / path).exists(), path
