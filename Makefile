@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fit_throughput.py
 	$(BIN)/python benchmarks/mixed_precision.py
 	$(BIN)/python benchmarks/real_models.py
+	$(BIN)/python benchmarks/flax_tutorial.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -123,6 +123,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "--models",
             "cnn_digits",
         ],
+        ["flax_tutorial.py", "--devices", "1", "--steps", "1", "--repeats", "1"],
     ],
     ids=lambda s: s[0],
 )
