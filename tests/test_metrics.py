@@ -254,6 +254,7 @@ def test_flax_average_accuracy_and_multimetric_inside_run_equal_one_device(strat
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), abs=1e-6)
     assert int(ours.accuracy.count[...]) == N  # real rows only
     assert_bit_identical_on_devices(ours)
+    assert nnx.metrics.Average.update is M._flax_average_update  # patched only while tracing
 
 
 def test_a_flax_metric_that_is_not_a_sum_is_refused_with_the_fix(strategy):

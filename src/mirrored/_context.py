@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -47,6 +50,43 @@ def enter_replica(ctx: ReplicaContext) -> contextvars.Token[ReplicaContext | Non
 
 def exit_replica(token: contextvars.Token[ReplicaContext | None]) -> None:
     _replica.reset(token)
+
+
+def row_mask(x: Any) -> Any:
+    """The running replica's real-row mask (bool, one per row) when `x` has one row per example
+    of a padded batch; None when the batch is not padded or `x` is not per example."""
+    ctx = _replica.get()
+    mask = None if ctx is None else ctx.example_mask
+    if mask is None or not getattr(x, "ndim", 0) or x.shape[0] != mask.shape[0]:
+        return None
+    return mask
+
+
+# (class, attribute) -> [uses, the original]: patches nest and may overlap between threads.
+_patches: dict[tuple[type, str], list[Any]] = {}
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def patched_attribute(cls: type, name: str, replacement: Any) -> Iterator[None]:
+    """`cls.name` is `replacement` while the block runs; the original is back after the last.
+
+    `run` uses it while it traces a padded batch's step, so that Flax's BatchNorm and metrics
+    leave the padded rows out.
+    """
+    key = (cls, name)
+    with _patch_lock:
+        if key not in _patches:
+            _patches[key] = [0, cls.__dict__[name]]
+            setattr(cls, name, replacement)
+        _patches[key][0] += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patches[key][0] -= 1
+            if _patches[key][0] == 0:
+                setattr(cls, name, _patches.pop(key)[1])
 
 
 def varying_axes(x: Any) -> frozenset[str]:

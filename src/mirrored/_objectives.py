@@ -297,9 +297,9 @@ CROSSENTROPIES = (
 def _sparse_loss(loss: Any, y_true: np.ndarray, y_pred_shape: tuple[int, ...]) -> bool:
     if isinstance(loss, SparseCategoricalCrossentropy):
         return True
-    if isinstance(loss, Crossentropy):
-        labels = np.empty(y_true.shape)
-        return tuple(y_pred_shape[-1:]) != (1,) and _is_sparse(labels, np.empty(y_pred_shape))
+    if isinstance(loss, Crossentropy):  # Keras' shape rule, on the shapes alone
+        y_pred = jax.ShapeDtypeStruct(y_pred_shape, np.float32)
+        return not _is_binary(y_true, y_pred) and _is_sparse(y_true, y_pred)
     return False
 
 

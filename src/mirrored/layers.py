@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,11 +40,8 @@ def _axes(rank: int, axes: Any) -> tuple[int, ...]:
 
 def _example_mask(x: Any, reduction_axes: tuple[int, ...]) -> Any:
     """This replica's real-row mask, shaped to broadcast against `x`, or None when unpadded."""
-    ctx = _context.current_replica_context()
-    mask = None if ctx is None else ctx.example_mask
-    if mask is None or 0 not in reduction_axes or x.ndim == 0 or x.shape[0] != mask.shape[0]:
-        return None
-    return mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+    mask = _context.row_mask(x) if 0 in reduction_axes else None
+    return None if mask is None else mask.reshape(mask.shape + (1,) * (x.ndim - 1))
 
 
 def _statistics(
@@ -157,8 +153,6 @@ class SyncBatchNorm(nnx.BatchNorm):
 
 
 _flax_call = nnx.BatchNorm.__call__
-_patch_lock = threading.Lock()
-_patch_depth = 0
 
 
 def _masked_call(
@@ -205,15 +199,5 @@ def masked_batch_norm() -> Iterator[None]:
     Flax's own `mask=` averages per-replica means when synchronised and divides by zero on
     a replica with no real rows, so the statistics are computed here instead.
     """
-    global _patch_depth
-    with _patch_lock:
-        if _patch_depth == 0:
-            nnx.BatchNorm.__call__ = _masked_call  # type: ignore[method-assign]
-        _patch_depth += 1
-    try:
+    with _context.patched_attribute(nnx.BatchNorm, "__call__", _masked_call):
         yield
-    finally:
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                nnx.BatchNorm.__call__ = _flax_call  # type: ignore[method-assign]

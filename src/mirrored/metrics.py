@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -145,11 +144,8 @@ class Metric(nnx.Module):
 
 def _row_mask(values: Any) -> Any:
     """This replica's real-row mask (float) when `values` has one row per example, else None."""
-    ctx = _context.current_replica_context()
-    mask = None if ctx is None else ctx.example_mask
-    if mask is None or values.ndim == 0 or values.shape[0] != mask.shape[0]:
-        return None
-    return mask.astype(jnp.float32)
+    mask = _context.row_mask(values)
+    return None if mask is None else mask.astype(jnp.float32)
 
 
 # -- reductions -----------------------------------------------------------------------------------
@@ -378,7 +374,22 @@ class _Confusion(Metric):
             state[...] = state[...] + jnp.sum(jnp.where(hit, w, 0.0), axis=1).astype(self.dtype)
 
 
-class Precision(_Confusion):
+class _AtThresholds(_Confusion):
+    """A confusion ratio at `thresholds` (Keras' default 0.5): a scalar for one threshold given
+    as a number or by default, one value per threshold for a list."""
+
+    def __init__(self, thresholds: float | Sequence[float] | None, name: str, dtype: Any) -> None:
+        self._scalar = thresholds is None or np.ndim(thresholds) == 0
+        super().__init__(
+            np.atleast_1d(0.5 if thresholds is None else thresholds).tolist(), name, dtype
+        )
+
+    def _ratio(self, hits: jax.Array, misses: jax.Array) -> jax.Array:
+        out = _div_no_nan(hits, hits + misses)
+        return out[0] if self._scalar else out
+
+
+class Precision(_AtThresholds):
     """`TP / (TP + FP)` of `y_pred > threshold` (Keras' default threshold 0.5)."""
 
     def __init__(
@@ -387,18 +398,13 @@ class Precision(_Confusion):
         name: str = "precision",
         dtype: Any = jnp.float32,
     ) -> None:
-        self._scalar = thresholds is None or np.ndim(thresholds) == 0
-        super().__init__(
-            np.atleast_1d(0.5 if thresholds is None else thresholds).tolist(), name, dtype
-        )
+        super().__init__(thresholds, name, dtype)
 
     def result(self) -> jax.Array:
-        tp, fp = self.true_positives[...], self.false_positives[...]
-        out = _div_no_nan(tp, tp + fp)
-        return out[0] if self._scalar else out
+        return self._ratio(self.true_positives[...], self.false_positives[...])
 
 
-class Recall(_Confusion):
+class Recall(_AtThresholds):
     """`TP / (TP + FN)` of `y_pred > threshold` (Keras' default threshold 0.5)."""
 
     def __init__(
@@ -407,15 +413,10 @@ class Recall(_Confusion):
         name: str = "recall",
         dtype: Any = jnp.float32,
     ) -> None:
-        self._scalar = thresholds is None or np.ndim(thresholds) == 0
-        super().__init__(
-            np.atleast_1d(0.5 if thresholds is None else thresholds).tolist(), name, dtype
-        )
+        super().__init__(thresholds, name, dtype)
 
     def result(self) -> jax.Array:
-        tp, fn = self.true_positives[...], self.false_negatives[...]
-        out = _div_no_nan(tp, tp + fn)
-        return out[0] if self._scalar else out
+        return self._ratio(self.true_positives[...], self.false_negatives[...])
 
 
 class AUC(_Confusion):
@@ -556,22 +557,8 @@ def summable_flax_states(tree: Any) -> set[int]:
     return found
 
 
-_flax_lock = threading.Lock()
-_flax_depth = 0
-
-
 @contextlib.contextmanager
 def masked_flax_metrics() -> Iterator[None]:
     """While a padded batch's step is traced, Flax's `Average`/`Accuracy` skip padded rows."""
-    global _flax_depth
-    with _flax_lock:
-        if _flax_depth == 0:
-            nnx.metrics.Average.update = _masked_average_update  # type: ignore[method-assign]
-        _flax_depth += 1
-    try:
+    with _context.patched_attribute(nnx.metrics.Average, "update", _masked_average_update):
         yield
-    finally:
-        with _flax_lock:
-            _flax_depth -= 1
-            if _flax_depth == 0:
-                nnx.metrics.Average.update = _flax_average_update  # type: ignore[method-assign]
