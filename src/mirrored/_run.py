@@ -105,7 +105,12 @@ class _FnKey:
 
 
 def _fn_key(fn: Callable[..., Any]) -> Any:
-    return _FnKey(fn) if type(fn) is types.FunctionType else fn
+    """The cache key of a step (looked up every step: the common cases stay cheap)."""
+    if type(fn) is not types.FunctionType:
+        return fn
+    if fn.__closure__ is None and fn.__defaults__ is None and fn.__kwdefaults__ is None:
+        return fn.__code__  # nothing held: the code says it all
+    return _FnKey(fn)
 
 
 def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
