@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,3 +74,16 @@ def timed(run_steps: Callable[[int], Any], steps: int, warmup: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(run_steps(steps))
     return time.perf_counter() - start
+
+
+def run_bounded(k: int, step_once: Callable[[int], Any], in_flight: int = 2) -> Any:
+    """`step_once(0..k-1)` with at most `in_flight` steps queued on the devices, as mirrored's
+    dispatch bound; returns the last step's output."""
+    queue: collections.deque = collections.deque()
+    out = None
+    for i in range(k):
+        out = step_once(i)
+        queue.append(out)
+        if len(queue) > in_flight:
+            jax.block_until_ready(queue.popleft())
+    return out

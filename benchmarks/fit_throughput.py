@@ -11,7 +11,6 @@ against plain JAX.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -32,7 +31,7 @@ def main() -> None:
     import jax
     import numpy as np
     import optax
-    from _models import MLP, MODELS, plain_jax_step, synthetic_batches, train_step
+    from _models import MLP, MODELS, plain_jax_step, run_bounded, synthetic_batches, train_step
     from flax import nnx
 
     results = []
@@ -49,15 +48,13 @@ def main() -> None:
             plain = {"params": params, "opt": opt_state}
 
             def run_plain(plain=plain, staged=staged, step=step, steps=steps) -> float:
-                start = time.perf_counter()
-                in_flight: collections.deque = collections.deque()
-                for i in range(steps):
-                    x, y = staged[i % len(staged)]
+                def once(index: int) -> object:
+                    x, y = staged[index % len(staged)]
                     plain["params"], plain["opt"], loss = step(plain["params"], plain["opt"], x, y)
-                    in_flight.append(loss)
-                    if len(in_flight) > 2:
-                        in_flight.popleft().block_until_ready()
-                jax.block_until_ready(loss)
+                    return loss
+
+                start = time.perf_counter()
+                jax.block_until_ready(run_bounded(steps, once))
                 return time.perf_counter() - start
 
             strategy = mirrored.MirroredStrategy(devices)

@@ -13,7 +13,6 @@ To add a model: a function that builds its `Workload` from its example module, a
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import importlib.util
 import json
@@ -170,7 +169,7 @@ def main() -> None:
     mirrored.simulate_cpu_devices(args.devices)
 
     import jax
-    from _models import timed
+    from _models import run_bounded, timed
     from flax import nnx
 
     results = []
@@ -188,17 +187,14 @@ def main() -> None:
             staged = [tuple(jax.device_put(a, data_sharding) for a in b) for b in workload.batches]
 
             def run_plain(k: int, plain=plain, staged=staged, step=step) -> object:
-                in_flight: collections.deque = collections.deque()
-                loss = None
-                for i in range(k):
+                def once(i: int) -> object:
                     x, y = staged[i % len(staged)]
                     plain["params"], plain["rest"], plain["opt"], loss = step(
                         plain["params"], plain["rest"], plain["opt"], x, y
                     )
-                    in_flight.append(loss)
-                    if len(in_flight) > 2:
-                        in_flight.popleft().block_until_ready()
-                return loss
+                    return loss
+
+                return run_bounded(k, once)
 
             # mirrored
             strategy = mirrored.MirroredStrategy(devices)

@@ -9,7 +9,6 @@ process, with the same in-flight bound (2 steps). Prints JSON; ratio = mirrored 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -28,7 +27,15 @@ def main() -> None:
 
     import jax
     import optax
-    from _models import MLP, MODELS, plain_jax_step, synthetic_batches, timed, train_step
+    from _models import (
+        MLP,
+        MODELS,
+        plain_jax_step,
+        run_bounded,
+        synthetic_batches,
+        timed,
+        train_step,
+    )
     from flax import nnx
 
     results = []
@@ -45,15 +52,12 @@ def main() -> None:
             plain = {"params": params, "opt": opt_state}
 
             def run_plain(k: int, plain=plain, staged=staged, step=step) -> object:
-                in_flight: collections.deque = collections.deque()
-                loss = None
-                for i in range(k):
+                def once(i: int) -> object:
                     x, y = staged[i % len(staged)]
                     plain["params"], plain["opt"], loss = step(plain["params"], plain["opt"], x, y)
-                    in_flight.append(loss)
-                    if len(in_flight) > 2:
-                        in_flight.popleft().block_until_ready()
-                return loss
+                    return loss
+
+                return run_bounded(k, once)
 
             # mirrored
             strategy = mirrored.MirroredStrategy(devices)
