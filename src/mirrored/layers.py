@@ -49,7 +49,7 @@ def _statistics(
 ) -> tuple[Any, Any]:
     """Mean and variance over the real rows (of every replica when `synchronized`).
 
-    Sums, sums of squares and counts are all-reduced in one collective, so replicas holding
+    Sums and counts, then sums of squared deviations, are all-reduced, so replicas holding
     different numbers of real rows weigh each row once (averaging per-replica means would not).
     A replica with no real row at all uses its padded rows locally (copies of real rows, so
     finite) rather than divide by zero.
@@ -59,21 +59,36 @@ def _statistics(
     weight = jnp.ones(x.shape, dtype)
     if mask is not None:
         weight = weight * jnp.asarray(mask, dtype)
-    sums = jnp.stack([(x * weight).sum(reduction_axes), (x * x * weight).sum(reduction_axes)])
+    total = (x * weight).sum(reduction_axes)
     count = weight.sum(reduction_axes)
     if synchronized:
         if not _context.is_varying(count):  # no mask: every replica counts its own rows
             count = jax.lax.pcast(count, REPLICA_AXIS, to="varying")
-        sums, count = jax.lax.psum((sums, count), REPLICA_AXIS)
+        total, count = jax.lax.psum((total, count), REPLICA_AXIS)
     elif mask is not None:  # an all-padding replica falls back on its (finite) padded rows
         empty = count == 0
-        dense = jnp.stack([x.sum(reduction_axes), (x * x).sum(reduction_axes)])
-        sums = jnp.where(empty, dense, sums)
+        total = jnp.where(empty, x.sum(reduction_axes), total)
         count = jnp.where(empty, jnp.asarray(x.size // count.size, dtype), count)
+        weight = jnp.where(empty.reshape(_kept(x.ndim, reduction_axes, empty)), 1, weight)
     safe = jnp.maximum(count, 1)
-    mean, mean_sq = sums[0] / safe, sums[1] / safe
-    # E[x²] - E[x]² (Flax's and TensorFlow's fast variance) can round below zero.
-    return mean, jnp.maximum(0.0, mean_sq - mean * mean)
+    mean = total / safe
+    # Two passes: E[(x - mean)²]. The one-pass E[x²] - E[x]² loses every digit to
+    # cancellation when |mean| ≫ std, and N partial sums round differently from one.
+    centered = (x - _expand(mean, x.ndim, reduction_axes)) * weight
+    squares = (centered * centered).sum(reduction_axes)
+    if synchronized:
+        squares = jax.lax.psum(squares, REPLICA_AXIS)
+    return mean, squares / safe
+
+
+def _expand(stat: Any, rank: int, reduction_axes: tuple[int, ...]) -> Any:
+    """A statistic over `reduction_axes`, reshaped to broadcast against the input."""
+    return stat.reshape(_kept(rank, reduction_axes, stat))
+
+
+def _kept(rank: int, reduction_axes: tuple[int, ...], stat: Any) -> tuple[int, ...]:
+    shape = iter(stat.shape)
+    return tuple(1 if a in reduction_axes else next(shape) for a in range(rank))
 
 
 def batch_norm(
