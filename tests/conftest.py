@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 
+os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras tests (mirrored.keras): before any import
+
 import jax
 
 import mirrored

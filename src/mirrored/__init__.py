@@ -35,6 +35,10 @@ from mirrored._verify import Check, Report, verify
 
 __version__ = "0.1.0"
 
+from mirrored import _keras_hook
+
+_keras_hook.install()  # mirrored.keras, once Keras (JAX backend) is imported; never imports it
+
 __all__ = [
     "REPLICA_AXIS",
     "Check",

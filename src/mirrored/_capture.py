@@ -66,6 +66,13 @@ def find_captured(
     fn: Callable[..., Any], is_mirrored: Callable[[Any], bool]
 ) -> list[tuple[str, Any]]:
     """(name, object) pairs of state that `fn` reaches other than through its arguments."""
+    return find_reachable(fn, lambda value: _holds_state(value, is_mirrored))
+
+
+def find_reachable(fn: Callable[..., Any], test: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """(name, object) pairs for which `test` holds, among what `fn` reaches other than through
+    its arguments: closure cells, defaults, `self`, partial arguments and the module globals
+    its code (and same-module helpers it calls) loads."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -74,16 +81,16 @@ def find_captured(
             return
         seen.add(id(f))
         if isinstance(f, types.MethodType):  # `trainer_obj.step`: state reached via `self`
-            if _holds_state(f.__self__, is_mirrored):
+            if test(f.__self__):
                 found.append(("self", f.__self__))
             visit(f.__func__)
             return
         if isinstance(f, functools.partial):
             for i, value in enumerate(f.args):
-                if _holds_state(value, is_mirrored):
+                if test(value):
                     found.append((f"functools.partial argument {i}", value))
             for key, value in f.keywords.items():
-                if _holds_state(value, is_mirrored):
+                if test(value):
                     found.append((f"functools.partial keyword {key!r}", value))
             visit(f.func)
             return
@@ -93,7 +100,7 @@ def find_captured(
         defaults = [*(getattr(f, "__defaults__", None) or ())]
         defaults += [*(getattr(f, "__kwdefaults__", None) or {}).values()]
         for value in defaults:  # `def step(x, model=model)`: bound when the step was defined
-            if _holds_state(value, is_mirrored):
+            if test(value):
                 found.append(("a default argument", value))
         for name, cell in zip(
             code.co_freevars, getattr(f, "__closure__", None) or (), strict=False
@@ -102,7 +109,7 @@ def find_captured(
                 value = cell.cell_contents
             except ValueError:  # an empty cell: the variable is not assigned yet
                 continue
-            if _holds_state(value, is_mirrored):
+            if test(value):
                 found.append((name, value))
             elif isinstance(value, types.FunctionType):
                 visit(value)
@@ -111,7 +118,7 @@ def find_captured(
             if name not in namespace:
                 continue
             value = namespace[name]
-            if _holds_state(value, is_mirrored):
+            if test(value):
                 found.append((name, value))
             elif isinstance(value, types.FunctionType) and value.__globals__ is namespace:
                 # A helper from the same module may capture the model on the step's behalf.

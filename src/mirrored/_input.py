@@ -169,21 +169,36 @@ def iterable_batches(
     structure = _Structure()
     target = None
     for batch in source:
-        treedef, leaves = structure.leaves(batch)
-        rows = _batching.leading_size(leaves)
-        _nonempty(rows)
-        if target is None:
-            if rows < num_replicas:
-                _batching.per_replica_batch_size(rows, num_replicas)  # raises: 0 per replica
-            target = rows
-        total = _batching.padded_size(rows, target, num_replicas)
-        local = _batching.process_rows(total, *processes)
-        if total != rows:
-            leaves = _batching.pad_to(leaves, rows, total)
-        if local != slice(0, total):
-            leaves = [x[local] for x in leaves]
-        mask = _batching.example_mask(rows, total)[local]
-        yield HostBatch(treedef, leaves, mask, rows, total)
+        host = host_batch(
+            batch, target, num_replicas=num_replicas, processes=processes, structure=structure
+        )
+        target = host.real if target is None else target
+        yield host
+
+
+def host_batch(
+    batch: Any,
+    target: int | None,
+    *,
+    num_replicas: int,
+    processes: tuple[int, int],
+    structure: _Structure | None = None,
+) -> HostBatch:
+    """One global batch padded to at least `target` rows (None: its own size), and a multiple
+    of the replicas; this process's rows of it."""
+    treedef, leaves = (structure or _Structure()).leaves(batch)
+    rows = _batching.leading_size(leaves)
+    _nonempty(rows)
+    if target is None and rows < num_replicas:
+        _batching.per_replica_batch_size(rows, num_replicas)  # raises: 0 per replica
+    total = _batching.padded_size(rows, target or rows, num_replicas)
+    local = _batching.process_rows(total, *processes)
+    if total != rows:
+        leaves = _batching.pad_to(leaves, rows, total)
+    if local != slice(0, total):
+        leaves = [x[local] for x in leaves]
+    mask = _batching.example_mask(rows, total)[local]
+    return HostBatch(treedef, leaves, mask, rows, total)
 
 
 def per_replica_batches(

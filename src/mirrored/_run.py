@@ -59,6 +59,13 @@ def _state_as_arguments(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[An
     return fn, args
 
 
+# Set by `mirrored.keras` when it is imported: it finds the Keras state a step reaches and
+# runs the step with that state as an argument (NOT_BOUND: no Keras state here).
+NOT_BOUND = object()
+keras_bind: Callable[[Runner, Callable[..., Any], Sequence[Any], dict[str, Any]], Any] | None = None
+# Trace-time patches entered while a padded batch's step is traced (Keras' metrics).
+masked_trace_patches: list[Callable[[], contextlib.AbstractContextManager[None]]] = []
+
 _EMPTY_CELL = object()
 _BY_VALUE = frozenset({int, float, str, bool, bytes, type(None)})
 
@@ -302,6 +309,14 @@ class Runner:
         return out
 
     def __call__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if keras_bind is not None:  # mirrored.keras is in use: Keras state may be captured
+            out = keras_bind(self, fn, args, kwargs)
+            if out is not NOT_BOUND:
+                return out
+        return self.call(fn, args, kwargs)
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """One step of `fn` on every replica (`__call__` without the Keras bridge)."""
         fn, args = _state_as_arguments(fn, args)
         fn_key = _fn_key(fn)
         guard = self._guards.get(fn_key)
@@ -485,6 +500,8 @@ class Runner:
                     if masked:
                         patches.enter_context(layers.masked_batch_norm())
                         patches.enter_context(metrics.masked_flax_metrics())
+                        for patch in masked_trace_patches:
+                            patches.enter_context(patch())
                     out = fn(*call_args, **call_kwargs)
             finally:
                 _context.exit_replica(token)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _context, _input, _mesh
+from mirrored import _context, _input, _keras_hook, _mesh
 from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._run import Runner, peer_failures
 from mirrored._values import PerReplica, ReduceOp, ValueContext, is_per_replica
@@ -98,6 +98,7 @@ class _Scope:
                 "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
                 "entering the second, or use one strategy throughout."
             )
+        _keras_hook.ensure_adapter()  # Keras imported since: mirror its variables too
         token = _context.push_scope(strategy)
         try:
             mesh = jax.set_mesh(strategy._mesh)  # sets the mesh now; exiting restores the last

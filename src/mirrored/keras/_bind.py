@@ -1,0 +1,108 @@
+"""`strategy.run` on a step that reaches Keras objects, TensorFlow's way: captured by closure
+or passed as arguments. Their variables become the step's first argument (see `_bridge`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mirrored import _capture, _run
+from mirrored.keras import _bridge
+
+
+class KerasStep:
+    """`fn` with its Keras state made explicit: called as `step(holder, *args, **kwargs)`.
+
+    One object per step function and runner, so `run`'s program cache finds it again.
+    """
+
+    def __init__(self, fn: Callable[..., Any], bridge: _bridge.Bridge) -> None:
+        self.fn = fn
+        self.bridge = bridge
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, holder: _bridge.Holder, *args: Any, **kwargs: Any) -> Any:
+        bridge = self.bridge
+        return _bridge.call_stateless(
+            bridge.variables, bridge.kinds, holder, lambda: self.fn(*args, **kwargs)
+        )
+
+
+@dataclasses.dataclass
+class _Entry:
+    objects: list[Any]
+    step: KerasStep | None  # None: the step reaches no Keras state
+
+
+def _captured_objects(fn: Callable[..., Any]) -> list[Any]:
+    objects: list[Any] = []
+    for _, value in _capture.find_reachable(fn, lambda v: bool(_bridge.keras_objects(v))):
+        objects += _bridge.keras_objects(value)
+    return objects
+
+
+def _argument_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _bridge._KERAS_TYPES):
+            found.append(value)
+        elif isinstance(value, list | tuple | dict) and len(value) <= 16:
+            found += _bridge.keras_objects(value, depth=0)
+    return found
+
+
+def _entry(runner: Any, fn: Callable[..., Any], objects: list[Any]) -> _Entry:
+    if not objects:
+        return _Entry(objects, None)
+    variables = _bridge.variables_of(objects)  # none yet: a model built by its first call
+    strategy = runner._strategy
+    for v in variables:
+        value = v._value
+        if value is not None and not runner.is_mirrored(value):
+            raise ValueError(
+                f"strategy.run expected the Keras variable {v.path!r} mirrored on the "
+                f"strategy's {runner._n} device(s); it lives on "
+                f"{', '.join(sorted(str(d) for d in value.devices()))}. It was most likely "
+                "created outside strategy.scope().\n"
+                "Fix: create the model, optimizer and metrics inside the scope:\n"
+                "  with strategy.scope():\n"
+                "      model = keras.Sequential([...])\n"
+                "      optimizer = keras.optimizers.Adam()\n"
+                f"(strategy: {strategy!r})"
+            )
+    kinds = _bridge.slot_kinds(objects, variables)
+    return _Entry(objects, KerasStep(fn, _bridge.Bridge(variables, kinds)))
+
+
+def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Run `fn` with the Keras state it reaches, or `_run.NOT_BOUND` when it reaches none."""
+    inner = _run._undecorated(fn)
+    from_args = _argument_objects(args, kwargs)
+    key = (_run._fn_key(inner), *map(id, from_args))
+    cache: dict[Any, _Entry] = runner.__dict__.setdefault("_keras_entries", {})
+    entry = cache.get(key)
+    if entry is None:
+        entry = cache[key] = _entry(runner, fn, _captured_objects(inner) + from_args)
+    if entry.step is None:
+        return _run.NOT_BOUND
+    for attempt in range(3):
+        step = entry.step
+        assert step is not None
+        step.bridge.pull()
+        try:
+            out = runner.call(step, (step.bridge.holder, *args), kwargs)
+        except _bridge.VariablesCreated:
+            # A lazy build (first call of a model, first apply of an optimizer) created
+            # variables while the step was traced: initialize them mirrored, then trace again.
+            if attempt == 2:
+                raise
+            from keras.src.backend.common.variables import initialize_all_variables
+
+            with runner._strategy.scope():
+                initialize_all_variables()
+            entry = cache[key] = _entry(runner, fn, entry.objects)
+            continue
+        step.bridge.push()
+        return out
+    raise AssertionError("unreachable")

@@ -1,0 +1,196 @@
+"""Keras' `fit`/`evaluate`/`predict` on a strategy: Keras' own loops, mirrored's step.
+
+Keras drives the epoch (its data adapters, callbacks, progress bar, `History`); mirrored
+replaces only the compiled step, which Keras calls as `function(state, iterator)`. Each batch
+is padded to the first batch's size and split over the replicas; the step runs under
+`strategy.run`: losses average over the global batch's real rows, metrics count real rows
+only and are summed over replicas inside the step, gradients of the mirrored weights are
+summed over replicas, and `predict` returns exactly the real rows, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from mirrored import _context, _input
+from mirrored._mesh import REPLICA_AXIS
+from mirrored.keras import _bridge
+
+
+class _Placer:
+    """Keras' host batches as split, padded, masked batches on the strategy's devices."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._n = strategy.num_replicas_in_sync
+        self._processes = _input.process_info()
+        self._dataset = _input.DistributedDataset(
+            strategy,
+            lambda epoch: iter(()),
+            length=None,
+            options=_input.InputOptions(experimental_fetch_to_device=False),
+        )
+        self._target: int | None = None
+
+    def __call__(self, batch: Any) -> Any:
+        host = _input.host_batch(
+            batch, self._target, num_replicas=self._n, processes=self._processes
+        )
+        if self._target is None:
+            self._target = host.size
+        return self._dataset._place(host)
+
+
+def _real_rows() -> Any:
+    """This replica's real rows in the batch being traced."""
+    ctx = _context.current_replica_context()
+    assert ctx is not None
+    mask = ctx.example_mask
+    return None if mask is None else jnp.sum(mask)
+
+
+class _Step:
+    """One Keras step (`train`, `test` or `predict`) under `strategy.run`."""
+
+    def __init__(self, model: Any, strategy: Any, kind: str) -> None:
+        self.model = model
+        self.strategy = strategy
+        self.kind = kind
+        self.__name__ = f"keras_{kind}_step"
+        groups = [model.trainable_variables, model.non_trainable_variables]
+        if kind == "train":
+            groups.append(model.optimizer.variables)
+        if kind != "predict":
+            groups.append(model.metrics_variables)
+        self.sizes = [len(g) for g in groups]
+        variables = [v for g in groups for v in g]
+        objects = [model, *([model.optimizer] if kind == "train" else [])]
+        kinds = _bridge.slot_kinds(objects, variables, sums=False)
+        self.bridge = _bridge.Bridge(variables, kinds)
+        self.seeds = [i for i, k in enumerate(kinds) if k is _bridge.SeedSlot]
+        self.place = _Placer(strategy)
+
+    # -- on the host, per batch -----------------------------------------------------------------
+
+    def __call__(self, state: Any, data: Any) -> tuple[Any, Any]:
+        self.bridge.pull([x for group in state for x in group])
+        outputs = self.strategy.run(self.traced, args=(self.bridge.holder, self.place(data)))
+        if self.kind == "predict":
+            outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
+        values = self.bridge.values()
+        groups, start = [], 0
+        for size in self.sizes:
+            groups.append(values[start : start + size])
+            start += size
+        return outputs, tuple(groups)
+
+    # -- traced, per replica --------------------------------------------------------------------
+
+    def traced(self, holder: _bridge.Holder, batch: Any) -> Any:
+        slots = list(holder.slots)
+        values = _bridge.fold_seeds([s.get_raw_value() for s in slots], self.seeds)
+        groups, start = [], 0
+        for size in self.sizes:
+            groups.append(values[start : start + size])
+            start += size
+        model = self.model
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        if self.kind == "predict":
+            kwargs = {"training": False} if model._call_has_training_arg else {}
+            outputs, new_non_trainable = model.stateless_call(groups[0], groups[1], x, **kwargs)
+            new = [*groups[0], *new_non_trainable]
+            self._write(slots, values, new)
+            return outputs
+        if self.kind == "train":
+            trainable, non_trainable, optimizer_vars, metric_vars = groups
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_, aux), grads = grad_fn(
+                trainable,
+                non_trainable,
+                metric_vars,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_vars,
+            )
+            loss, y_pred, non_trainable, metric_vars = aux
+            trainable, optimizer_vars = model.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable
+            )
+            new = [*trainable, *non_trainable, *optimizer_vars]
+        else:
+            trainable, non_trainable, metric_vars = groups
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable, metric_vars, x, y, sample_weight, training=False
+            )
+            _, y_pred, non_trainable, metric_vars = aux
+            new = [*trainable, *non_trainable]
+        logs, metric_vars = self._metrics(
+            groups[-1], metric_vars, loss, x, y, y_pred, sample_weight
+        )
+        self._write(slots, values, [*new, *metric_vars])
+        return logs
+
+    def _metrics(
+        self,
+        original: list[Any],
+        before: list[Any],
+        loss: Any,
+        x: Any,
+        y: Any,
+        y_pred: Any,
+        sample_weight: Any,
+    ) -> tuple[Any, list[Any]]:
+        """Update the metrics with this replica's real rows; sum the updates over replicas
+        (`original`: the values before the step, `before`: after the loss's own trackers)."""
+        model = self.model
+        references = model.metrics_variables
+        loss = jax.lax.psum(loss, REPLICA_AXIS)  # each replica holds its share of the loss
+        rows = _real_rows()
+        if rows is None:
+            first = next(i for i in jax.tree.leaves(x) if i is not None)
+            rows = jnp.asarray(first.shape[0], jnp.float32)
+        with StatelessScope(state_mapping=list(zip(references, before, strict=True))) as scope:
+            # Varying by construction (the rows), so the additions psum to the global ones.
+            rows = jnp.asarray(rows, jnp.float32) + 0 * jax.lax.axis_index(REPLICA_AXIS)
+            model._loss_tracker.update_state(loss, sample_weight=rows)
+            model.compute_metrics(x, y, y_pred, sample_weight)
+        combined = []
+        for ref, old, current in zip(references, original, before, strict=True):
+            new = scope.get_current_value(ref)
+            if new is None:
+                new = current
+            if new is old:
+                combined.append(old)
+                continue
+            added = new - old
+            if _context.is_varying(added):
+                added = jax.lax.psum(added, REPLICA_AXIS)
+            else:
+                added = added * self.strategy.num_replicas_in_sync
+            combined.append(old + added)
+        with StatelessScope(state_mapping=list(zip(references, combined, strict=True))):
+            logs = model.get_metrics_result()
+        return logs, combined
+
+    def _write(self, slots: list[Any], before: list[Any], after: list[Any]) -> None:
+        for i, (slot, old, new) in enumerate(zip(slots, before, after, strict=True)):
+            if new is old:
+                continue
+            if i in self.seeds:
+                new = _bridge.mirrored_seed(new)
+            slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
+
+
+def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterator[Any]], Any]:
+    """Keras' `train_function` / `test_function` / `predict_function` for `model` on `strategy`."""
+    step = _Step(model, strategy, kind)
+    function = model._make_function(step, concatenate_outputs=kind == "predict")
+    function.mirrored = strategy
+    return function  # type: ignore[no-any-return]

@@ -1,0 +1,446 @@
+"""Where mirrored changes Keras (JAX backend). Each change is a no-op outside mirrored.
+
+- Variables created inside `strategy.scope()` are mirrored on the strategy's devices.
+- Inside `strategy.run` on a split batch, a Keras loss with a mean reduction averages over the
+  GLOBAL batch's real rows (as Keras' own loops do under a TensorFlow strategy), metrics leave
+  padded rows out, BatchNormalization leaves them out of its statistics (and, with
+  `synchronized=True`, computes them over the global batch), and `add_loss` / regularization
+  losses are divided by the replica count (TensorFlow's `scale_regularization_loss`).
+- `compile`, `fit`, `evaluate`, `predict` and the `*_on_batch` calls of a model tied to a
+  strategy (created or compiled in its scope) run data-parallel on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src import backend, ops, tree
+from keras.src.backend.jax import core as jax_core
+from keras.src.backend.jax.trainer import JAXTrainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import trainer as base_trainer
+
+from mirrored import _context, _run
+from mirrored._mesh import REPLICA_AXIS
+
+# The strategy each model is tied to (created or compiled in its scope).
+_STRATEGY_OF: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_installed = False
+
+
+def split_context() -> _context.ReplicaContext | None:
+    """The replica context while `strategy.run` traces a step on a split batch, else None."""
+    ctx = _context.current_replica_context()
+    if ctx is None or not ctx.in_spmd or not ctx.batch_is_split:
+        return None
+    return ctx
+
+
+# -- variables ----------------------------------------------------------------------------------
+
+
+def _initialize_layout(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    def initialize_layout(self: Any) -> None:
+        strategy = _context.entered_strategy()
+        if self._layout is None and strategy is not None:
+            self._layout = strategy._replicated  # mirrored: one copy on every device
+            return
+        original(self)
+
+    return initialize_layout
+
+
+# -- losses -------------------------------------------------------------------------------------
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _loss_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __call__(self: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        ctx = split_context()
+        if ctx is None or self.reduction not in (*_MEAN_REDUCTIONS, "sum"):
+            return original(self, y_true, y_pred, sample_weight)
+        return _replica_loss(self, ctx, y_true, y_pred, sample_weight)
+
+    return __call__
+
+
+def _replica_loss(loss: Any, ctx: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """This replica's share of the loss over the global batch: summed over replicas (as the
+    gradients of mirrored weights are), it is the loss of the whole batch on one device."""
+    in_mask = backend.get_keras_mask(y_pred)
+    with ops.name_scope(loss.name):
+        y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred)
+        y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true)
+        values = ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
+    out_mask = backend.get_keras_mask(values)
+    if values.ndim == 0:  # already reduced by the loss itself: nothing to split
+        return loss_module.reduce_weighted_values(
+            values, sample_weight, None, loss.reduction, loss.dtype
+        )
+    ctx.mark_replica_aware()
+    masks = [m for m in (in_mask, out_mask) if m is not None]
+    element_mask = None
+    if masks:
+        element_mask = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+        element_mask = ops.cast(element_mask, loss.dtype)
+    rows = _context.row_mask(values)
+    weights = None if rows is None else ops.cast(rows, loss.dtype)
+    if sample_weight is not None:
+        sample_weight = ops.cast(sample_weight, loss.dtype)
+        if weights is not None:
+            sample_weight, weights = loss_module.squeeze_or_expand_to_same_rank(
+                sample_weight, weights
+            )
+            weights = sample_weight * weights
+        else:
+            weights = sample_weight
+    if element_mask is not None:
+        if weights is None:
+            weights = element_mask
+        else:
+            element_mask, weights = loss_module.squeeze_or_expand_to_same_rank(
+                element_mask, weights
+            )
+            weights = weights * element_mask
+    if weights is not None:
+        values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
+        values = values * weights
+    total = ops.sum(values)
+    if loss.reduction == "sum":
+        return total
+    if loss.reduction == "mean_with_sample_weight" and sample_weight is not None:
+        counted = sample_weight if rows is None else sample_weight * _broadcast(rows, sample_weight)
+        divisor = jax.lax.psum(ops.sum(counted), REPLICA_AXIS)
+    elif element_mask is not None:
+        counted = element_mask if rows is None else element_mask * _broadcast(rows, element_mask)
+        divisor = jax.lax.psum(ops.sum(counted), REPLICA_AXIS)
+    else:
+        count = ctx.example_count
+        if count is None:
+            count = values.shape[0] * ctx.num_replicas_in_sync
+        per_row = 1
+        for size in values.shape[1:]:
+            per_row *= size
+        divisor = ops.cast(count, loss.dtype) * per_row
+    return ops.divide_no_nan(total, ops.cast(divisor, loss.dtype))
+
+
+def _broadcast(rows: Any, like: Any) -> Any:
+    rows = ops.cast(rows, like.dtype)
+    return ops.reshape(rows, (rows.shape[0],) + (1,) * (like.ndim - 1))
+
+
+def _aggregate_additional_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def aggregate(self: Any, loss: Any) -> Any:
+        total = original(self, loss)
+        ctx = split_context()
+        if ctx is None:
+            return total
+        # Every replica adds the same regularization: divided by N, the sum over replicas
+        # counts it once (TensorFlow's scale_regularization_loss).
+        return total / ctx.num_replicas_in_sync
+
+    return aggregate
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def _sample_weight_position(cls: type) -> int | None:
+    """The positional index of `sample_weight` in `cls.update_state` (None: it has none)."""
+    try:
+        parameters = list(inspect.signature(cls.__dict__["update_state"]).parameters)
+    except (TypeError, ValueError):
+        return None
+    return parameters.index("sample_weight") - 1 if "sample_weight" in parameters else None
+
+
+def _masked_update_state(original: Callable[..., Any], position: int) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = _context.row_mask(args[0]) if args else None
+        if rows is None:
+            return original(self, *args, **kwargs)
+        listed = list(args)
+        weight = (
+            listed.pop(position) if len(listed) > position else kwargs.pop("sample_weight", None)
+        )
+        mask = ops.cast(rows, "float32")
+        if weight is not None:
+            weight = ops.convert_to_tensor(weight)
+            mask, weight = loss_module.squeeze_or_expand_to_same_rank(mask, weight)
+            mask = ops.cast(mask, weight.dtype) * weight
+        return original(self, *listed, sample_weight=mask, **kwargs)
+
+    return update_state
+
+
+def _metric_classes() -> Iterator[type]:
+    seen: set[type] = set()
+    stack = [keras.metrics.Metric]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        stack.extend(cls.__subclasses__())
+        if "update_state" in cls.__dict__:
+            yield cls
+
+
+@contextlib.contextmanager
+def masked_keras_metrics() -> Iterator[None]:
+    """While a padded batch's step is traced: every Keras metric weighs padded rows by 0."""
+    with contextlib.ExitStack() as stack:
+        for cls in list(_metric_classes()):
+            position = _sample_weight_position(cls)
+            if position is None:
+                continue
+            original = cls.__dict__["update_state"]
+            stack.enter_context(
+                _context.patched_attribute(
+                    cls, "update_state", _masked_update_state(original, position)
+                )
+            )
+        yield
+
+
+# -- BatchNormalization -------------------------------------------------------------------------
+
+
+def _batch_norm_init(original: Callable[..., None]) -> Callable[..., None]:
+    """`BatchNormalization.__init__` accepting `synchronized=True` on JAX.
+
+    Keras allows it on TensorFlow only; under mirrored it means what it means there:
+    statistics over the global batch. Keras reads `__init__`'s exact signature (its configs),
+    so the replacement is generated with the original's parameters.
+    """
+    signature = inspect.signature(original)
+    names = list(signature.parameters)
+    if "synchronized" not in names or "kwargs" not in names:
+        return original
+    for parameter in signature.parameters.values():
+        default = parameter.default
+        if default is not inspect.Parameter.empty and type(default) not in (
+            int,
+            float,
+            str,
+            bool,
+            type(None),
+        ):
+            return original  # a default we cannot spell: keep Keras' own
+    forwarded = ", ".join(
+        f"**{n}" if signature.parameters[n].kind is inspect.Parameter.VAR_KEYWORD else f"{n}={n}"
+        for n in names[1:]
+        if n != "synchronized"
+    )
+    source = (
+        f"def __init__{signature}:\n"
+        f"    _original(self, synchronized=False, {forwarded})\n"
+        "    self.synchronized = synchronized\n"
+    )
+    namespace: dict[str, Any] = {"_original": original}
+    exec(source, namespace)
+    replacement = namespace["__init__"]
+    replacement.__doc__ = original.__doc__
+    replacement.__qualname__ = original.__qualname__
+    return replacement  # type: ignore[no-any-return]
+
+
+def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _moments(self: Any, inputs: Any, mask: Any) -> Any:
+        ctx = split_context()
+        rows = _context.row_mask(inputs)
+        if ctx is None and self.synchronized:  # one device: its batch is the global batch
+            self.synchronized = False
+            try:
+                return original(self, inputs, mask)
+            finally:
+                self.synchronized = True
+        if ctx is None or (rows is None and mask is None and not self.synchronized):
+            return original(self, inputs, mask)
+        axes = tuple(self._reduction_axes)
+        weights = jnp.ones(inputs.shape[:1], inputs.dtype) if rows is None else rows
+        weights = _broadcast(weights, inputs)
+        if mask is not None:
+            weights = weights * jnp.expand_dims(ops.cast(mask, inputs.dtype), -1)
+        weights = jnp.broadcast_to(weights, inputs.shape).astype(inputs.dtype)
+        total = jnp.sum(inputs * weights, axes, keepdims=True)
+        count = jnp.sum(weights, axes, keepdims=True)
+        if self.synchronized:
+            total = jax.lax.psum(total, REPLICA_AXIS)
+            count = jax.lax.psum(count, REPLICA_AXIS)
+        mean = total / jnp.maximum(count, 1)
+        squares = jnp.sum(jnp.square(inputs - mean) * weights, axes, keepdims=True)
+        if self.synchronized:
+            squares = jax.lax.psum(squares, REPLICA_AXIS)
+        variance = squares / jnp.maximum(count, 1)
+        return jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
+
+    return _moments
+
+
+# -- models: compile, fit, evaluate, predict ----------------------------------------------------
+
+
+def strategy_of(model: Any) -> Any:
+    """The strategy a model trains on: the scope it is used in, or the one it is tied to."""
+    current = _context.entered_strategy()
+    tied = _STRATEGY_OF.get(model)
+    if current is not None and tied is not None and current is not tied:
+        raise ValueError(
+            f"Expected {type(model).__name__} to be used with the strategy it was created or "
+            f"compiled under, {tied!r}; found it used inside the scope of {current!r}. Its "
+            "variables live on the first strategy's devices.\n"
+            "Fix: create, compile and train the model under one strategy."
+        )
+    return current or tied
+
+
+def _adopt(variables: list[Any], strategy: Any) -> None:
+    """Mirror variables that hold no training yet (an optimizer or metric made before the
+    scope and handed to `compile`): TensorFlow creates their state under the model's strategy."""
+    for v in variables:
+        value = v._value
+        if isinstance(value, jax.Array) and not strategy._runner.is_mirrored(value):
+            v._layout = strategy._replicated
+            v._direct_assign(value)
+
+
+def check_mirrored(model: Any, strategy: Any, *, what: str) -> None:
+    """TensorFlow's error for variables created outside the strategy's scope."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    others = list(model.metrics_variables)
+    if optimizer is not None:
+        others += list(optimizer.variables)
+    _adopt(others, strategy)
+    runner = strategy._runner
+    for v in variables:
+        value = v._value
+        if value is None or isinstance(value, jax.core.Tracer):
+            continue
+        if not (isinstance(value, jax.Array) and runner.is_mirrored(value)):
+            where = ", ".join(sorted(str(d) for d in getattr(value, "devices", lambda: [])()))
+            raise ValueError(
+                f"Variable {v.path!r} was not created in the distribution strategy scope of "
+                f"{strategy!r}: it lives on {where or 'the host'}, not mirrored on the "
+                f"strategy's {strategy.num_replicas_in_sync} device(s), so {what} would train "
+                "a single-device copy. It is most likely because the model, a layer or the "
+                "optimizer was created (or built) outside the scope.\n"
+                "Fix: create, build and compile everything inside the scope:\n"
+                "  with strategy.scope():\n"
+                "      model = make_model()\n"
+                "      model.compile(optimizer='adam', loss=..., metrics=[...])\n"
+                "  model.fit(x, y, batch_size=GLOBAL_BATCH)"
+            )
+
+
+def _tie_at_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        strategy = _context.entered_strategy()
+        if strategy is not None:
+            _STRATEGY_OF[self] = strategy
+
+    return __init__
+
+
+def _compile(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = strategy_of(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        if self.built:
+            check_mirrored(self, strategy, what="compile")
+        with strategy.scope():
+            out = original(self, *args, **kwargs)
+        _STRATEGY_OF[self] = strategy
+        return out
+
+    return compile
+
+
+def _in_strategy(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """`fit` and friends: run on the model's strategy, inside its scope."""
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = strategy_of(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        check_mirrored(self, strategy, what=what)
+        _STRATEGY_OF[self] = strategy
+        with strategy.scope():
+            return original(self, *args, **kwargs)
+
+    return method
+
+
+def _make_function(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def make(self: Any, force: bool = False) -> Any:
+        strategy = _STRATEGY_OF.get(self)
+        if strategy is None or _context.entered_strategy() is None:
+            return original(self, force)
+        from mirrored.keras import _fit
+
+        attribute = f"{kind}_function"
+        current = getattr(self, attribute)
+        if current is not None and not force and getattr(current, "mirrored", None) is strategy:
+            return current
+        function = _fit.make_function(self, strategy, kind)
+        setattr(self, attribute, function)
+        return function
+
+    return make
+
+
+def install() -> None:
+    """Apply the patches (once per process)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    variable = jax_core.JaxVariable
+    variable._initialize_layout = _initialize_layout(variable._initialize_layout)
+    loss_module.Loss.__call__ = _loss_call(loss_module.Loss.__call__)
+    trainer = base_trainer.Trainer
+    trainer._aggregate_additional_loss = _aggregate_additional_loss(
+        trainer._aggregate_additional_loss
+    )
+    norm = keras.layers.BatchNormalization
+    norm.__init__ = _batch_norm_init(norm.__init__)
+    norm._moments = _batch_norm_moments(norm._moments)
+    JAXTrainer.__init__ = _tie_at_init(JAXTrainer.__init__)
+    trainer.compile = _compile(trainer.compile)
+    for name in (
+        "fit",
+        "evaluate",
+        "predict",
+        "train_on_batch",
+        "test_on_batch",
+        "predict_on_batch",
+    ):
+        setattr(JAXTrainer, name, _in_strategy(getattr(JAXTrainer, name), name))
+    for kind in ("train", "test", "predict"):
+        name = f"make_{kind}_function"
+        setattr(JAXTrainer, name, _make_function(getattr(JAXTrainer, name), kind))
+    _run.masked_trace_patches.append(masked_keras_metrics)
+    from mirrored.keras import _bind
+
+    _run.keras_bind = _bind.bind

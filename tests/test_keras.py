@@ -1,0 +1,256 @@
+"""Keras 3 models under mirrored (issue 20): `model.fit` and TensorFlow's custom loop, with
+`tf.keras` → `keras`, equal to plain Keras on one device; ragged last batches exact."""
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import mirrored
+import mirrored.keras
+
+assert keras.backend.backend() == "jax"
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(525, 20)).astype("float32")  # 525 at batch 64: the last batch has 13
+Y = RNG.integers(0, 10, 525).astype("int32")
+BATCHES = [(X[i : i + 64], Y[i : i + 64]) for i in range(0, 525, 64)]
+
+
+def _sequential(*, dropout=0.0, norm=None, input_shape=True):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((20,))] if input_shape else []
+    layers.append(keras.layers.Dense(32, activation="relu"))
+    if norm is not None:
+        layers.append(keras.layers.BatchNormalization(momentum=0.8, synchronized=norm == "sync"))
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    layers.append(keras.layers.Dense(10))
+    return keras.Sequential(layers)
+
+
+def _compiled(**kwargs):
+    model = _sequential(**kwargs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def _spans_all_devices(model, devices):
+    return all(
+        v.value.sharding.device_set == set(devices) and v.value.sharding.is_fully_replicated
+        for v in model.variables
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain Keras on one device: 2 epochs of fit, then evaluate and predict."""
+    model = _compiled()
+    history = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+    prediction = model.predict(X, batch_size=64, verbose=0)
+    return model.get_weights(), history, evaluation, prediction
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_fit_evaluate_predict_on_n_replicas_equal_plain_keras_ragged_batch_included(
+    reference, replicas, devices
+):
+    weights, history, evaluation, prediction = reference
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = _compiled()
+    assert _spans_all_devices(model, devices[:replicas])
+    ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert _max_diff(model.get_weights(), weights) <= 1e-5
+    for name in ("loss", "accuracy"):
+        assert ours[name] == pytest.approx(history[name], abs=1e-5)
+    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    predicted = model.predict(X, batch_size=64, verbose=0)
+    assert predicted.shape == (525, 10)
+    np.testing.assert_allclose(predicted, prediction, atol=1e-5)
+    assert _spans_all_devices(model, devices[:replicas])  # the optimizer's too, after fit
+    assert all(
+        v.value.sharding.device_set == set(devices[:replicas]) for v in model.optimizer.variables
+    )
+
+
+def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
+    weights = np.linspace(0.2, 2.0, 525).astype("float32")
+    ref = _compiled()
+    expected = ref.fit(
+        X, Y, sample_weight=weights, batch_size=64, epochs=2, shuffle=False, verbose=0
+    )
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+    seen = []
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=5),
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch)),
+    ]
+    history = model.fit(
+        X,
+        Y,
+        sample_weight=weights,
+        batch_size=64,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], abs=1e-5)
+    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    assert seen == list(range(9)) * 2
+    restored = _sequential()
+    restored.load_weights(str(tmp_path / "m.weights.h5"))
+    assert _max_diff(restored.get_weights(), model.get_weights()) == 0
+
+
+def test_a_model_built_outside_the_scope_is_refused_not_trained_on_one_device(devices):
+    model = _compiled()  # built and compiled on one device
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope(), pytest.raises(ValueError, match="was not created in the distribution"):
+        model.fit(X, Y, batch_size=64, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="not created in the distribution strategy scope"):  # noqa: SIM117
+        with strategy.scope():
+            model.compile(optimizer="sgd", loss="mse")
+
+
+def test_a_model_created_in_the_scope_trains_mirrored_when_compiled_outside_it(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _sequential(input_shape=False)  # no variables yet
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    model.fit(X[:128], Y[:128], batch_size=64, epochs=1, verbose=0)
+    assert _spans_all_devices(model, devices)
+
+
+def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False):
+    with strategy.scope():
+        model = _sequential(input_shape=False)
+        optimizer = keras.optimizers.SGD(0.1)
+        kwargs = {} if loss_reduction is None else {"reduction": loss_reduction}
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+    def train_step(inputs, labels):
+        def compute_loss():
+            logits = model(inputs, training=True)
+            if hand_mean:
+                return keras.ops.mean(
+                    keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                )
+            return loss_fn(labels, logits)
+
+        loss, grads = mirrored.keras.value_and_grad(compute_loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    losses, kernels = [], []
+    for inputs, labels in strategy.experimental_distribute_dataset(BATCHES[-5:]):
+        per_replica = strategy.run(train_step, args=(inputs, labels))
+        losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+        kernels.append(np.asarray(model.layers[0].kernel.value).copy())
+    return model, losses, kernels
+
+
+def test_the_seeds_custom_loop_equals_train_on_batch_with_the_model_captured(devices):
+    ref = _sequential(input_shape=False)
+    ref.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    expected = [float(ref.train_on_batch(x, y)) for x, y in BATCHES[-5:]]  # ends ragged (13)
+    model, losses, kernels = _custom_loop(mirrored.MirroredStrategy(devices))
+    assert losses == pytest.approx(expected, abs=1e-5)  # reduce("SUM") = the batch's loss
+    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    # Read fresh every step, never a constant: the weights move at every step.
+    assert all(np.max(np.abs(a - b)) > 1e-4 for a, b in itertools.pairwise(kernels))
+    assert _spans_all_devices(model, devices)
+
+
+def test_an_explicit_sum_reduction_is_left_as_written_with_padding_masked(devices):
+    ref = _sequential(input_shape=False)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    expected = float(loss_fn(BATCHES[-1][1], ref(BATCHES[-1][0])))
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _sequential(input_shape=False)
+    (batch,) = strategy.experimental_distribute_dataset([BATCHES[-1]])  # 13 rows on 8 replicas
+    per_replica = strategy.run(lambda x, y: loss_fn(y, model(x)), args=batch)
+    assert float(strategy.reduce("SUM", per_replica, axis=None)) == pytest.approx(expected, 1e-5)
+
+
+def test_a_hand_written_per_replica_mean_warns_of_the_n_times_gradient(devices, caplog):
+    with caplog.at_level(logging.WARNING, logger="mirrored.loss"):
+        _custom_loop(mirrored.MirroredStrategy(devices), hand_mean=True)
+    assert "SUMMED over the 8 replicas" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mirrored.loss"):
+        _custom_loop(mirrored.MirroredStrategy(devices))
+    assert "SUMMED" not in caplog.text
+
+
+def test_compute_average_loss_takes_keras_tensors(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    (x,) = strategy.experimental_distribute_dataset([X[:13]])
+    per_replica = strategy.run(
+        lambda x: mirrored.compute_average_loss(keras.ops.sum(keras.ops.square(x), axis=1)),
+        args=(x,),
+    )
+    expected = float(np.mean(np.sum(X[:13] ** 2, axis=1)))
+    assert float(strategy.reduce("SUM", per_replica, axis=None)) == pytest.approx(expected, 1e-5)
+
+
+def test_dropout_draws_other_masks_on_each_replica_and_each_step(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        dropout = keras.layers.Dropout(0.5)
+    ones = np.ones((8, 64), "float32")
+    (x,) = strategy.experimental_distribute_dataset([ones])
+    first = np.asarray(strategy.gather(strategy.run(lambda x: dropout(x, training=True), (x,)), 0))
+    second = np.asarray(strategy.gather(strategy.run(lambda x: dropout(x, training=True), (x,)), 0))
+    assert len({row.tobytes() for row in first}) == 8  # one mask per replica
+    assert not np.array_equal(first, second)  # and new ones each step
+    assert set(np.unique(first)) <= {0.0, 2.0}
+
+
+def test_synchronized_batch_norm_on_8_replicas_equals_one_device_with_moving_statistics(devices):
+    ref = _compiled(norm="plain")
+    ref.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled(norm="sync")
+    model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5  # moving stats included
+    with strategy.scope():
+        local = _compiled(norm="plain")  # TensorFlow's default: per-replica statistics
+    local.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(local.get_weights(), ref.get_weights()) > 1e-4
+    assert _spans_all_devices(local, devices)
+
+
+def test_import_mirrored_does_not_import_keras_and_another_backend_is_a_clear_error():
+    env = {**os.environ, "KERAS_BACKEND": "numpy"}
+    code = "import sys, mirrored; assert 'keras' not in sys.modules; print('lazy')"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "lazy" in out.stdout, out.stderr
+    code = "import keras, mirrored.keras"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "KERAS_BACKEND=jax" in out.stderr and "'numpy' backend" in out.stderr
