@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/mixed_precision.py
 	$(BIN)/python benchmarks/real_models.py
 	$(BIN)/python benchmarks/flax_tutorial.py
+	$(BIN)/python benchmarks/keras_models.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

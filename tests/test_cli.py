@@ -124,6 +124,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "cnn_digits",
         ],
         ["flax_tutorial.py", "--devices", "1", "--steps", "1", "--repeats", "1"],
+        ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
     ],
     ids=lambda s: s[0],
 )

@@ -51,3 +51,28 @@ def test_eight_replicas_equal_one_device_over_five_tutorial_steps_metrics_includ
     for name in ("accuracy", "loss"):
         assert our_metrics[name] == pytest.approx(their_metrics[name], abs=1e-5)
     assert_bit_identical_on_devices(ours)
+
+
+def test_trainer_evaluate_matches_the_tutorials_eval_view():
+    """`Trainer` switches the model to eval mode for `evaluate` (`model.eval()`): the same
+    numbers as the tutorial's `nnx.view(model, deterministic=True, use_running_average=True)`."""
+    train, test = tutorial.load_dataset()
+    strategy = mirrored.MirroredStrategy()
+    with strategy.scope():
+        model = tutorial.CNN(rngs=nnx.Rngs(0))
+        trainer = mirrored.Trainer(
+            model,
+            optax.adamw(0.005, 0.9),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            metrics=["accuracy"],
+            rngs=nnx.Rngs(0),
+        )
+    trainer.fit(train["image"][:256], train["label"][:256], batch_size=32, epochs=1, verbose=0)
+    images, labels = test["image"][:100], test["label"][:100]  # 100 = 3 × 32 + 4: ragged
+    logs = trainer.evaluate(images, labels, batch_size=32)
+    eval_model = nnx.view(model, deterministic=True, use_running_average=True)
+    logits = np.asarray(eval_model(images))
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    assert logs["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert logs["accuracy"] == pytest.approx(float(np.mean(logits.argmax(-1) == labels)), abs=1e-6)

@@ -470,7 +470,8 @@ class Runner:
             if masked:
                 mask, count = split[-1], rep[-1]
                 split, rep = split[:-1], rep[:-1]
-            inner = _replica_keys(state, rng_slots)
+            # One replica draws from the keys themselves: the numbers of the plain script.
+            inner = _replica_keys(state, rng_slots) if self._n > 1 else list(state)
             fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
             split_it, rep_it = iter(split), iter(rep)
             rebuilt = []
