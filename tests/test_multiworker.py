@@ -134,14 +134,22 @@ def results(path):
     return dict(np.load(path / "result.npz"))
 
 
-@pytest.mark.slow
-def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices):
-    two, _ = launch(tmp_path / "two", 2, 2)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One clean 2-process job (2 devices each, with a backup), shared by the tests below."""
+    out = tmp_path_factory.mktemp("two")
+    two, _ = launch(out, 2, 2, "--backup", str(out / "backup"))
     assert two.returncode == 0, two.stdout[-3000:]
-    assert "[rank 1] replicas 4 processes 2 chief False" in two.stdout
+    return out, two.stdout
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices, two_processes):
+    two_dir, stdout = two_processes
+    assert "[rank 1] replicas 4 processes 2 chief False" in stdout
     one, _ = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, one.stdout[-3000:]
-    a, b = results(tmp_path / "two"), results(tmp_path / "one")
+    a, b = results(two_dir), results(tmp_path / "one")
     assert set(a) == set(b)
     for name in a:
         scale = max(float(np.max(np.abs(b[name]))), 1e-12)
@@ -161,20 +169,18 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices)
     strategy = mirrored.MirroredStrategy(devices[:1])
     with strategy.scope():
         model = SmallMLP(rngs=nnx.Rngs(1))
-    mirrored.restore_checkpoint(tmp_path / "two" / "ckpt", model)
+    mirrored.restore_checkpoint(two_dir / "ckpt", model)
     for name, value in params_of(model).items():
         np.testing.assert_allclose(value, a[f"fit/{name}"], rtol=1e-6)
 
 
 @pytest.mark.slow
-def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path):
-    clean, _ = launch(tmp_path / "clean", 2, 1, "--backup", str(tmp_path / "clean_backup"))
-    assert clean.returncode == 0, clean.stdout[-3000:]
-
+def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path, two_processes):
+    clean_dir, _ = two_processes  # the same job, never interrupted
     killed, seconds = launch(
         tmp_path / "run",
         2,
-        1,
+        2,
         "--backup",
         str(tmp_path / "backup"),
         "--kill-rank",
@@ -189,9 +195,9 @@ def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path):
             os.kill(pid, 0)  # nothing of the job is left running
     assert any((tmp_path / "backup").iterdir())
 
-    resumed, _ = launch(tmp_path / "run", 2, 1, "--backup", str(tmp_path / "backup"))
+    resumed, _ = launch(tmp_path / "run", 2, 2, "--backup", str(tmp_path / "backup"))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    a, b = results(tmp_path / "run"), results(tmp_path / "clean")
+    a, b = results(tmp_path / "run"), results(clean_dir)
     for name in a:
         if name.startswith("fit/"):
             np.testing.assert_allclose(a[name], b[name], rtol=1e-6, err_msg=name)
