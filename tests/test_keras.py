@@ -282,3 +282,41 @@ def test_the_keras_fit_example_trains_saves_and_restores_outside_the_strategy(tm
     assert "same predictions: True" in out
     assert accuracy > 0.85 and history["val_accuracy"][-1] > 0.8
     assert (tmp_path / "ckpt.weights.h5").exists() and (tmp_path / "model.keras").exists()
+
+
+def _adam_model():
+    model = _sequential()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def test_save_checkpoint_of_a_keras_model_resumes_step_exactly_on_another_replica_count(
+    tmp_path, devices
+):
+    eight = mirrored.MirroredStrategy(devices)
+    with eight.scope():
+        straight = _adam_model()
+    straight.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    with eight.scope():
+        first = _adam_model()
+    first.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    mirrored.save_checkpoint(tmp_path / "ckpt", first, first.optimizer, step=1)
+    two = mirrored.MirroredStrategy(devices[:2])
+    with two.scope():
+        resumed = _adam_model()
+    assert mirrored.restore_checkpoint(tmp_path / "ckpt", resumed, resumed.optimizer) == 1
+    assert int(resumed.optimizer.iterations.value) == 9
+    assert _spans_all_devices(resumed, devices[:2])
+    resumed.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(resumed.get_weights(), straight.get_weights()) <= 1e-5
+    # Keras' own weights file restores onto another replica count as well.
+    first.save_weights(tmp_path / "m.weights.h5")
+    with two.scope():
+        loaded = _adam_model()
+        loaded.optimizer.build(loaded.trainable_variables)  # Keras loads into built slots only
+    loaded.load_weights(tmp_path / "m.weights.h5")
+    assert _max_diff(loaded.get_weights(), first.get_weights()) == 0
+    assert _spans_all_devices(loaded, devices[:2])

@@ -38,7 +38,7 @@ def _holds_state(value: Any, is_mirrored: Callable[[Any], bool], *, depth: int =
     # A plain object holding a model (`G.model`, `self.model` of a training class) bakes the
     # model in as a constant just as a captured model does.
     attributes = getattr(value, "__dict__", None)
-    if depth > 0 and isinstance(attributes, dict) and not _is_code_or_namespace(value):
+    if depth > 0 and isinstance(attributes, dict) and not is_code_or_namespace(value):
         return any(
             _holds_state(v, is_mirrored, depth=depth - 1)
             for v in list(attributes.values())[:_MAX_CONTAINER_LEAVES]
@@ -46,7 +46,7 @@ def _holds_state(value: Any, is_mirrored: Callable[[Any], bool], *, depth: int =
     return False
 
 
-def _is_code_or_namespace(value: Any) -> bool:
+def is_code_or_namespace(value: Any) -> bool:
     return isinstance(
         value,
         types.ModuleType | type | types.FunctionType | types.MethodType | functools.partial,

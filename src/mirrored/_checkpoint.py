@@ -9,9 +9,11 @@ same step, under `extras/`, so they are complete or absent with the state they d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import reprlib
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +31,47 @@ def is_chief() -> bool:
     return jax.process_index() == 0
 
 
+def _is_keras(obj: Any) -> bool:
+    if "keras" not in sys.modules:
+        return False
+    import keras
+
+    return isinstance(obj, keras.layers.Layer | keras.optimizers.Optimizer)
+
+
+class _KerasVariable:
+    """A Keras variable behind the two calls the checkpoint code makes of an NNX one."""
+
+    def __init__(self, variable: Any) -> None:
+        self._variable = variable
+
+    def get_value(self) -> Any:
+        value = self._variable._value
+        if value is None:
+            raise ValueError(
+                f"Expected the Keras variable {self._variable.path!r} to hold a value; found "
+                "none (Keras releases them during fit). Fix: save from a callback's "
+                "on_epoch_end, or after fit returns."
+            )
+        return value
+
+    def set_value(self, value: Any) -> None:
+        self._variable.assign(value)
+
+
 def _flat_state(prefix: str, obj: Any) -> dict[str, Any]:
+    if _is_keras(obj):
+        if hasattr(obj, "jax_state_sync"):
+            obj.jax_state_sync()  # a model mid-fit: its latest values back on its variables
+        # By position, as TensorFlow's object-graph checkpoints: Keras numbers its names per
+        # process (dense_4/kernel), so the same architecture built again has other paths.
+        import keras
+
+        layer = isinstance(obj, keras.layers.Layer)
+        return {
+            f"{prefix}/{i:04d}_{variable.name if layer else 'slot'}": _KerasVariable(variable)
+            for i, variable in enumerate(obj.variables)
+        }
     return {
         f"{prefix}/" + "/".join(map(str, path)): var
         for path, var in nnx.to_flat_state(nnx.state(obj))
@@ -51,7 +93,7 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
     replicas restores onto a model mirrored on 2 (or on one device).
     """
     for prefix, obj in objects.items():
-        state = nnx.state(obj)
+        state = None if _is_keras(obj) else nnx.state(obj)
         for key, var in _flat_state(prefix, obj).items():
             if key not in arrays:
                 raise ValueError(
@@ -73,7 +115,8 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
                 var.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)))
             else:
                 var.set_value(jax.device_put(value.astype(current.dtype), current.sharding))
-        nnx.update(obj, state)
+        if state is not None:
+            nnx.update(obj, state)
 
 
 _EXTRAS = "extras/"
@@ -281,8 +324,8 @@ def save_checkpoint(
 
     Args:
         directory: the checkpoint directory (created if missing).
-        model: an `nnx.Module`, mirrored or not.
-        optimizer: an `nnx.Optimizer` saved with the model, or None.
+        model: an `nnx.Module` or a Keras 3 model, mirrored or not.
+        optimizer: an `nnx.Optimizer` (or a Keras optimizer) saved with the model, or None.
         step: the checkpoint's number; the newest is the one with the largest.
         max_to_keep: how many steps `directory` keeps, newest first (default 1: each save
             replaces the previous one); None keeps every one.
@@ -329,6 +372,14 @@ def restore_checkpoint(
         >>> mirrored.restore_checkpoint("ckpt/", model)
     """
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    if _is_keras(optimizer) and not optimizer.built:
+        # A Keras optimizer creates its slots on first use: create them now (mirrored on the
+        # model's strategy), so that they restore.
+        from mirrored.keras import _patches
+
+        strategy = _patches.strategy_of(model)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            optimizer.build(model.trainable_variables)
     root, step = _locate(directory, step)
     checkpoints = Checkpoints(root, max_to_keep=None)
     try:

@@ -31,7 +31,7 @@ from flax import nnx
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from mirrored import _context, metrics
+from mirrored import _capture, _context, metrics
 from mirrored._mesh import REPLICA_AXIS
 
 
@@ -84,8 +84,8 @@ def keras_objects(value: Any, *, depth: int = 1) -> list[Any]:
     elif isinstance(value, dict):
         items = list(value.values())[:_MAX_LEAVES]
     elif depth > 0 and isinstance(getattr(value, "__dict__", None), dict):
-        if isinstance(value, type) or (callable(value) and not hasattr(value, "__self__")):
-            return []  # functions, classes, modules: their own names are visited elsewhere
+        if _capture.is_code_or_namespace(value):
+            return []  # functions, classes, modules: what they reach is visited elsewhere
         items = list(vars(value).values())[:_MAX_LEAVES]
     else:
         return []

@@ -79,7 +79,10 @@ class _Step:
 
     def __call__(self, state: Any, data: Any) -> tuple[Any, Any]:
         self.bridge.pull([x for group in state for x in group])
-        outputs = self.strategy.run(self.traced, args=(self.bridge.holder, self.place(data)))
+        # The runner's own call: this step's Keras state is explicit already (no bridge).
+        outputs = self.strategy._runner.call(
+            self.traced, (self.bridge.holder, self.place(data)), {}
+        )
         if self.kind == "predict":
             outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
         values = self.bridge.values()
