@@ -320,3 +320,61 @@ def test_save_checkpoint_of_a_keras_model_resumes_step_exactly_on_another_replic
     loaded.load_weights(tmp_path / "m.weights.h5")
     assert _max_diff(loaded.get_weights(), first.get_weights()) == 0
     assert _spans_all_devices(loaded, devices[:2])
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _mixed_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10, dtype="float32"),
+        ]
+    )
+
+
+def test_mixed_float16_skips_the_step_on_every_replica_when_one_overflows(mixed_float16, devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _mixed_model()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # compile wraps it
+    model.fit(X[:128], Y[:128], batch_size=64, epochs=1, verbose=0)
+    before, scale = model.get_weights(), float(model.optimizer.dynamic_scale.value)
+    poisoned = X[:64].copy()
+    poisoned[0] = 1e30  # replica 0's rows only
+    model.fit(poisoned, Y[:64], batch_size=64, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+    assert float(model.optimizer.dynamic_scale.value) == scale / 2
+    assert _spans_all_devices(model, devices)
+
+    # The custom loop: the loss scaled by hand, as with TensorFlow's LossScaleOptimizer.
+    with strategy.scope():
+        loop_model = _mixed_model()
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(inputs, labels):
+        def compute_loss():
+            return optimizer.scale_loss(loss_fn(labels, loop_model(inputs, training=True)))
+
+        _, grads = mirrored.keras.value_and_grad(compute_loss, loop_model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, loop_model.trainable_variables, strict=True))
+
+    (clean,) = strategy.experimental_distribute_dataset([(X[:64], Y[:64])])
+    strategy.run(step, args=clean)
+    before, scale = loop_model.get_weights(), float(optimizer.dynamic_scale.value)
+    (bad,) = strategy.experimental_distribute_dataset([(poisoned, Y[:64])])
+    strategy.run(step, args=bad)
+    assert all(np.array_equal(a, b) for a, b in zip(before, loop_model.get_weights(), strict=True))
+    assert float(optimizer.dynamic_scale.value) == scale / 2

@@ -20,6 +20,7 @@ there, after the step, into the Keras variable.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -156,6 +157,12 @@ def uninitialized_count() -> int:
     return len(global_state.get_global_attribute("uninitialized_variables") or ())
 
 
+# The StatelessScope of the step `strategy.run` is tracing (see `_patches._optimizer_apply`).
+step_scope: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "mirrored_keras_step", default=None
+)
+
+
 class VariablesCreated(Exception):
     """A step created Keras variables while it was traced (a lazy build): trace it again."""
 
@@ -247,8 +254,12 @@ def call_stateless(
     scope = StatelessScope(initialize_variables=False)
     scope.state_mapping = {id(v): x for v, x in zip(variables, inner, strict=True)}
     created = uninitialized_count()
-    with scope:
-        out = fn()
+    token = step_scope.set(scope)
+    try:
+        with scope:
+            out = fn()
+    finally:
+        step_scope.reset(token)
     if uninitialized_count() > created:
         raise VariablesCreated
     for i, (v, slot) in enumerate(zip(variables, slots, strict=True)):

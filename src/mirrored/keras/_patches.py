@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import keras
 from keras.src import backend, ops, tree
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.jax import core as jax_core
 from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.losses import loss as loss_module
@@ -292,6 +293,49 @@ def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
     return _moments
 
 
+# -- optimizers ---------------------------------------------------------------------------------
+
+
+def _optimizer_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`optimizer.apply(grads)` inside a step `strategy.run` traces: Keras' stateless update.
+
+    The stateful path assigns variables inside `ops.cond` branches (LossScaleOptimizer's
+    skip, gradient accumulation), which leaks the branches' tracers out of a traced step;
+    `stateless_apply` is the path Keras' own JAX trainer takes.
+    """
+
+    @functools.wraps(original)
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        from mirrored.keras import _bridge
+
+        scope = _bridge.step_scope.get()
+        if scope is None or get_stateless_scope() is not scope or len(grads) == 0:
+            return original(self, grads, trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)  # deferred variables: run() traces the step again
+            raise _bridge.VariablesCreated
+        own = list(self._trainable_variables)
+        if trainable_variables is not None and [id(v) for v in trainable_variables] != [
+            id(v) for v in own
+        ]:
+            return original(self, grads, trainable_variables)
+
+        def current(v: Any) -> Any:
+            value = scope.get_current_value(v)
+            return v._value if value is None else value
+
+        new_weights, new_state = self.stateless_apply(
+            [current(v) for v in self.variables], list(grads), [current(v) for v in own]
+        )
+        for v, value in zip(own, new_weights, strict=True):
+            scope.add_update((v, value))
+        for v, value in zip(self.variables, new_state, strict=True):
+            scope.add_update((v, value))
+        return None
+
+    return apply
+
+
 # -- models: compile, fit, evaluate, predict ----------------------------------------------------
 
 
@@ -426,6 +470,15 @@ def install() -> None:
     norm = keras.layers.BatchNormalization
     norm.__init__ = _batch_norm_init(norm.__init__)
     norm._moments = _batch_norm_moments(norm._moments)
+    optimizers, seen = [keras.src.optimizers.base_optimizer.BaseOptimizer], set()
+    while optimizers:  # LossScaleOptimizer has an `apply` of its own
+        cls = optimizers.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        optimizers.extend(cls.__subclasses__())
+        if "apply" in cls.__dict__:
+            cls.apply = _optimizer_apply(cls.__dict__["apply"])
     JAXTrainer.__init__ = _tie_at_init(JAXTrainer.__init__)
     trainer.compile = _compile(trainer.compile)
     for name in (
