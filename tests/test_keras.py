@@ -378,3 +378,29 @@ def test_mixed_float16_skips_the_step_on_every_replica_when_one_overflows(mixed_
     strategy.run(step, args=bad)
     assert all(np.array_equal(a, b) for a, b in zip(before, loop_model.get_weights(), strict=True))
     assert float(optimizer.dynamic_scale.value) == scale / 2
+
+
+@pytest.mark.slow
+def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices(tmp_path, devices):
+    """2 processes × 2 devices (`mirrored launch`) against this process on 4 devices."""
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    command = ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "launch"]
+    command += ["-n", "2", "--devices-per-process", "2", "--grace", "3"]
+    command += [str(here / "_mw_keras_script.py"), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=here, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[rank 1] [keras] replicas 4 processes 2" in result.stdout
+    two = dict(np.load(tmp_path / "result.npz"))
+
+    sys.path.insert(0, str(here))
+    try:
+        worker = importlib.import_module("_mw_keras_script")
+    finally:
+        sys.path.remove(str(here))
+    worker.strategy = mirrored.MirroredStrategy(devices[:4])  # one process, 4 devices
+    worker.main(str(tmp_path / "one"))
+    one = dict(np.load(tmp_path / "one" / "result.npz"))
+    assert set(one) == set(two)
+    for name in two:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5, err_msg=name)
