@@ -404,3 +404,37 @@ def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices
     assert set(one) == set(two)
     for name in two:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, err_msg=name)
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path, devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        straight = _adam_model()
+    expected = straight.fit(X, Y, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("preempted")
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    with strategy.scope():
+        crashed = _adam_model()
+    with pytest.raises(RuntimeError, match="preempted"):
+        crashed.fit(
+            X, Y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[backup, Crash()]
+        )
+    with strategy.scope():
+        resumed = _adam_model()
+    history = resumed.fit(
+        X,
+        Y,
+        batch_size=64,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path))],
+    )
+    assert history.epoch == [2]  # epochs 0 and 1 are not redone
+    assert history.history["loss"] == pytest.approx(expected["loss"][2:], abs=1e-6)
+    assert _max_diff(resumed.get_weights(), straight.get_weights()) <= 1e-6
