@@ -20,6 +20,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from mirrored import _context, _input
 from mirrored._mesh import REPLICA_AXIS
+from mirrored._prefetch import Prefetcher
 from mirrored.keras import _bridge
 
 
@@ -77,12 +78,11 @@ class _Step:
 
     # -- on the host, per batch -----------------------------------------------------------------
 
-    def __call__(self, state: Any, data: Any) -> tuple[Any, Any]:
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        """One step on a batch already placed (`self.place`) on the devices."""
         self.bridge.pull([x for group in state for x in group])
         # The runner's own call: this step's Keras state is explicit already (no bridge).
-        outputs = self.strategy._runner.call(
-            self.traced, (self.bridge.holder, self.place(data)), {}
-        )
+        outputs = self.strategy._runner.call(self.traced, (self.bridge.holder, batch), {})
         if self.kind == "predict":
             outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
         values = self.bridge.values()
@@ -194,6 +194,21 @@ class _Step:
 def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterator[Any]], Any]:
     """Keras' `train_function` / `test_function` / `predict_function` for `model` on `strategy`."""
     step = _Step(model, strategy, kind)
-    function = model._make_function(step, concatenate_outputs=kind == "predict")
-    function.mirrored = strategy
-    return function  # type: ignore[no-any-return]
+    keras_step = model._make_function(step, concatenate_outputs=kind == "predict")
+    # Keras hands the same iterator every call of an epoch: on accelerators its batches are
+    # split and placed one or two ahead, on a background thread, while the devices compute.
+    # Not on CPU (measured: 0.87× on 2 cores; Keras skips its look-ahead there too), nor
+    # across processes (placed in order on the calling thread, as distributed datasets are).
+    prefetch = _input.process_info()[0] == 1 and jax.default_backend() != "cpu"
+    current: list[Any] = [None, None]  # Keras' iterator, its placed batches
+
+    def function(state: Any, iterator: Iterator[Any]) -> Any:
+        if current[0] is not iterator:
+            if isinstance(current[1], Prefetcher):
+                current[1].close()
+            placed = map(step.place, iterator)
+            current[:] = [iterator, Prefetcher(placed, 2) if prefetch else placed]
+        return keras_step(state, current[1])
+
+    function.mirrored = strategy  # type: ignore[attr-defined]
+    return function
