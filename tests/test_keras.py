@@ -438,3 +438,19 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path, devices
     assert history.epoch == [2]  # epochs 0 and 1 are not redone
     assert history.history["loss"] == pytest.approx(expected["loss"][2:], abs=1e-6)
     assert _max_diff(resumed.get_weights(), straight.get_weights()) <= 1e-6
+
+
+def test_fit_with_batches_placed_ahead_as_on_accelerators_gives_the_same_numbers(
+    reference, devices, monkeypatch
+):
+    from mirrored.keras import _fit
+
+    monkeypatch.setattr(_fit.jax, "default_backend", lambda: "gpu")  # the look-ahead path
+    weights, history, evaluation, _ = reference
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+    ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert _max_diff(model.get_weights(), weights) <= 1e-5
+    assert ours["loss"] == pytest.approx(history["loss"], abs=1e-5)
+    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
