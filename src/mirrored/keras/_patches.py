@@ -187,16 +187,17 @@ def _masked_update_state(original: Callable[..., Any], position: int) -> Callabl
     return update_state
 
 
-def _metric_classes() -> Iterator[type]:
+def _defining(base: type, name: str) -> Iterator[type]:
+    """`base` and its loaded subclasses that define `name` themselves."""
     seen: set[type] = set()
-    stack = [keras.metrics.Metric]
+    stack = [base]
     while stack:
         cls = stack.pop()
         if cls in seen:
             continue
         seen.add(cls)
         stack.extend(cls.__subclasses__())
-        if "update_state" in cls.__dict__:
+        if name in cls.__dict__:
             yield cls
 
 
@@ -204,7 +205,7 @@ def _metric_classes() -> Iterator[type]:
 def masked_keras_metrics() -> Iterator[None]:
     """While a padded batch's step is traced: every Keras metric weighs padded rows by 0."""
     with contextlib.ExitStack() as stack:
-        for cls in list(_metric_classes()):
+        for cls in list(_defining(keras.metrics.Metric, "update_state")):
             position = _sample_weight_position(cls)
             if position is None:
                 continue
@@ -470,15 +471,9 @@ def install() -> None:
     norm = keras.layers.BatchNormalization
     norm.__init__ = _batch_norm_init(norm.__init__)
     norm._moments = _batch_norm_moments(norm._moments)
-    optimizers, seen = [keras.src.optimizers.base_optimizer.BaseOptimizer], set()
-    while optimizers:  # LossScaleOptimizer has an `apply` of its own
-        cls = optimizers.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        optimizers.extend(cls.__subclasses__())
-        if "apply" in cls.__dict__:
-            cls.apply = _optimizer_apply(cls.__dict__["apply"])
+    # LossScaleOptimizer has an `apply` of its own.
+    for cls in list(_defining(keras.src.optimizers.base_optimizer.BaseOptimizer, "apply")):
+        setattr(cls, "apply", _optimizer_apply(cls.__dict__["apply"]))  # noqa: B010
     JAXTrainer.__init__ = _tie_at_init(JAXTrainer.__init__)
     trainer.compile = _compile(trainer.compile)
     for name in (
