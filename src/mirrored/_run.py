@@ -510,13 +510,8 @@ class Runner:
             for i in rng_slots:  # an unchanged stream keeps its mirrored key; its count moves on
                 if new_state[i] is inner[i]:
                     new_state[i] = state[i]
-            for i in metric_slots:  # an addition the same on every replica counts N times
-                added = new_state[i] - state[i]
-                if _context.is_varying(added):
-                    added = jax.lax.psum(added, REPLICA_AXIS)
-                else:
-                    added = added * self._n
-                new_state[i] = state[i] + added
+            for i in metric_slots:
+                new_state[i] = summed_over_replicas(state[i], new_state[i], self._n)
             for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
                 if _context.is_varying(new_state[i]):
                     new_state[i] = _mean_over_replicas(new_state[i], mask)
@@ -576,6 +571,13 @@ class Runner:
             count,
             self._n,
         )
+
+
+def summed_over_replicas(old: jax.Array, new: jax.Array, n: int) -> jax.Array:
+    """A running sum after every replica added its rows: `old + Σ_replicas (new_r - old)`
+    (TensorFlow's SYNC_ON_READ SUM); an addition the same on every replica counts N times."""
+    added = new - old
+    return old + (jax.lax.psum(added, REPLICA_AXIS) if _context.is_varying(added) else added * n)
 
 
 def _mean_over_replicas(value: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -21,7 +21,6 @@ there, after the step, into the Keras variable.
 from __future__ import annotations
 
 import contextvars
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -285,7 +284,3 @@ def keras_backend_error() -> ImportError | None:
         "or, first thing in the script:\n"
         "  import os; os.environ['KERAS_BACKEND'] = 'jax'"
     )
-
-
-def loaded() -> bool:
-    return "keras" in sys.modules

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from mirrored import _context, _input
+from mirrored import _context, _input, _run
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._prefetch import Prefetcher
 from mirrored.keras import _bridge
@@ -172,12 +172,7 @@ class _Step:
             if new is old:
                 combined.append(old)
                 continue
-            added = new - old
-            if _context.is_varying(added):
-                added = jax.lax.psum(added, REPLICA_AXIS)
-            else:
-                added = added * self.strategy.num_replicas_in_sync
-            combined.append(old + added)
+            combined.append(_run.summed_over_replicas(old, new, self.strategy.num_replicas_in_sync))
         with StatelessScope(state_mapping=list(zip(references, combined, strict=True))):
             logs = model.get_metrics_result()
         return logs, combined
