@@ -176,9 +176,10 @@ def _doctor(*args):
 
 def test_doctor_cli_json_plot_and_exit_codes(tmp_path):
     plot = tmp_path / "scaling.png"
-    result = _doctor("--devices", "4", "--json", "--plot", str(plot))
+    result = _doctor("--devices", "4", "--json", "--plot", str(plot), "--batch-size", "100")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["checks"][-1]["data"]["global_batch"] == 100
     assert report["ok"] and [c["name"] for c in report["checks"]] == [
         "Devices",
         "Collectives",

@@ -32,7 +32,8 @@ def builtin_step(batch_size: int = 128) -> tuple[Any, Callable[..., Any], tuple[
 
 
 def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
-    """Load FILE.py:FUNCTION and call FUNCTION() → (strategy, step_fn, args)."""
+    """Load FILE.py:FUNCTION and call FUNCTION() → (strategy, step_fn, args); step_fn may be
+    a compiled Keras model, args then (x, y[, sample_weight]) for its fit."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ValueError(f"Expected --step FILE.py:FUNCTION; found {spec!r}.")

@@ -358,14 +358,17 @@ class Runner:
             self._programs[key] = program
         return program, sorted_
 
+    def lowered(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The program `run(fn, args, kwargs)` executes, traced and lowered (nothing runs)."""
+        fn, args = _state_as_arguments(fn, args)
+        program, sorted_ = self._program_for(fn, args, kwargs)
+        return program.call.lower(sorted_.state, *sorted_.with_mask())  # type: ignore[attr-defined]
+
     def compiled_text(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> str:
         """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
-        fn, args = _state_as_arguments(fn, args)
-        program, sorted_ = self._program_for(fn, args, kwargs)
-        lowered = program.call.lower(sorted_.state, *sorted_.with_mask())  # type: ignore[attr-defined]
-        return str(lowered.compile().as_text())
+        return str(self.lowered(fn, args, kwargs).compile().as_text())
 
     def _call(
         self,

@@ -7,6 +7,7 @@ status, a one-line summary and a paragraph that explains and tells how to fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -448,27 +449,37 @@ def _move_batch(value: PerReplica, strategy: Any) -> PerReplica:
     )
 
 
-def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
+def _named_state(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
+    """The arrays of the NNX state in `args`, by path (`args[0].out.kernel`); the Keras
+    variables of a step's `Holder` by their own paths (`dense/kernel`). `which`: an NNX
+    filter (`...`: every variable)."""
     out = {}
     for i, arg in enumerate(args):
-        if nnx.graph.is_graph_node(arg) and isinstance(arg, nnx.Module):
-            for path, var in nnx.to_flat_state(nnx.state(arg, nnx.Param)):
-                out[f"args[{i}]." + ".".join(map(str, path))] = np.asarray(var.get_value())
+        if not is_state(arg) or isinstance(arg, nnx.Variable):
+            continue
+        keras_paths = getattr(arg, "variable_paths", None)
+        for path, var in nnx.to_flat_state(nnx.state(arg, which)):
+            if keras_paths is not None:
+                name = keras_paths[int(str(path[-1]))]
+            else:
+                name = f"args[{i}]." + ".".join(map(str, path))
+            out[name] = var.get_value()
     return out
+
+
+def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in _named_state(args, nnx.Param).items()}
 
 
 def _mirrored_arrays(args: Sequence[Any]) -> dict[str, jax.Array]:
-    out = {}
-    for i, arg in enumerate(args):
-        if is_state(arg):
-            for path, var in nnx.to_flat_state(nnx.state(arg)):
-                out[f"args[{i}]." + ".".join(map(str, path))] = var.get_value()
-    return out
+    return _named_state(args)
 
 
 def _global_batch(args: Sequence[Any]) -> int | None:
     for leaf in jax.tree.leaves(list(args), is_leaf=is_per_replica):
         if isinstance(leaf, PerReplica) and not leaf.stacked:
+            if leaf._count is not None:  # padded to a multiple of the replicas: the real rows
+                return int(np.asarray(leaf._count).item())
             return int(leaf.global_value.shape[0])
     return None
 
@@ -484,6 +495,7 @@ def verify(
     steps_per_epoch: int | None = None,
     scaling: bool = False,
     scaling_steps: int = 10,
+    batch_size: int | None = None,
 ) -> Report:
     """Prove that `strategy.run(step_fn, args)` really trains as one synchronous model.
 
@@ -491,6 +503,11 @@ def verify(
     used; all-reduces in the compiled step; bit-identical replicas after `steps` steps; one
     N-replica step against one single-device step on the same global batch (use plain SGD:
     Adam hides scale errors); optionally weak scaling; the input batch sizes.
+
+    Keras (`mirrored.keras`): `step_fn` may reach its Keras model, optimizer and loss by
+    closure, as TensorFlow's custom loops do; or `step_fn` is a compiled Keras model and
+    `args` = (x, y[, sample_weight]): its `fit` step is checked on the first global batch of
+    `batch_size` rows (default 32, as `fit`'s).
 
     Example:
         >>> report = mirrored.verify(strategy, train_step, (model, optimizer, x, y))
@@ -501,6 +518,26 @@ def verify(
     args = list(args)
     n = strategy.num_replicas_in_sync
     devices = list(strategy.extended.worker_devices)
+
+    def devices_check(unmirrored: str | None) -> Check:
+        return check_devices(
+            used=devices,
+            found=jax.local_devices(),
+            expected_replicas=expected_replicas,
+            gpus_visible=gpus_visible_to_system(),
+            unmirrored_state=unmirrored,
+        )
+
+    try:
+        keras = _keras_prepared(strategy, step_fn, args, batch_size)
+    except ValueError as error:  # Keras variables outside the scope: nothing can run
+        return Report([devices_check(str(error))])
+    deterministic: Callable[..., Any] = step_fn
+    quiet: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if keras is not None:
+        step_fn, args = keras.step, keras.args
+        deterministic, quiet = keras.deterministic()
+        dataset_size = dataset_size if dataset_size is not None else keras.dataset_size
     unmirrored = None
     try:
         for i, arg in enumerate(args):
@@ -508,15 +545,7 @@ def verify(
                 strategy._runner.check_mirrored(arg, f"args[{i}]")
     except ValueError as error:
         unmirrored = str(error)
-    checks = [
-        check_devices(
-            used=devices,
-            found=jax.local_devices(),
-            expected_replicas=expected_replicas,
-            gpus_visible=gpus_visible_to_system(),
-            unmirrored_state=unmirrored,
-        )
-    ]
+    checks = [devices_check(unmirrored)]
     replicated = strategy._replicated
     copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
     try:
@@ -550,9 +579,9 @@ def verify(
         )
         # TensorFlow's per-replica BatchNorm statistics differ from one device's by design;
         # synchronised, any difference left is the step's own.
-        with layers.synchronized_batch_norm():
-            strategy.run(step_fn, args=ours)
-            single.run(step_fn, args=theirs)
+        with layers.synchronized_batch_norm(), quiet:
+            strategy.run(deterministic, args=ours)
+            single.run(deterministic, args=theirs)
         after_ours, after_theirs = _params(ours), _params(theirs)
         checks.append(
             check_equivalence(
@@ -574,6 +603,24 @@ def verify(
             check_input(n, global_batch, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
         )
     return Report(checks)
+
+
+def _keras_prepared(strategy: Any, step_fn: Any, args: list[Any], batch_size: int | None) -> Any:
+    """A Keras step or model as an explicit step (`mirrored.keras._verify.Prepared`), or None."""
+    from mirrored import _run
+
+    prepared = None
+    if _run.keras_bind is not None:  # mirrored.keras is in use: Keras state may be reached
+        from mirrored.keras import _verify as keras_verify
+
+        prepared = keras_verify.prepare(strategy, step_fn, args, batch_size)
+    if batch_size is not None and (prepared is None or prepared.dataset_size is None):
+        raise TypeError(
+            "verify expected batch_size only with a compiled Keras model (the global batch of "
+            f"its fit); found it with the step function {step_fn!r}, whose batch is in args "
+            "already. Fix: drop batch_size=."
+        )
+    return prepared
 
 
 def _measure_scaling(

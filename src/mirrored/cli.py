@@ -84,6 +84,13 @@ def doctor(
         help="Check your own step: FILE.py:FUNCTION, where FUNCTION() returns "
         "(strategy, step_fn, args).",
     ),
+    batch_size: int | None = typer.Option(
+        None,
+        "--batch-size",
+        min=1,
+        help="The global batch of the built-in step (default 128), or of the fit of a Keras "
+        "model that FUNCTION returns in place of step_fn (default 32, as fit's).",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot: str | None = typer.Option(None, "--plot", help="Save the scaling plot (PNG) here."),
     scaling: bool = typer.Option(True, help="Measure weak scaling over 1..N replicas."),
@@ -94,11 +101,25 @@ def doctor(
     from mirrored._verify import verify
 
     try:
-        strategy, step_fn, args = user_step(step) if step else builtin_step()
+        if step:
+            strategy, step_fn, args = user_step(step)
+        else:
+            strategy, step_fn, args = builtin_step(batch_size or 128)
     except (OSError, ValueError, TypeError, AttributeError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
-    report = verify(strategy, step_fn, args, expected_replicas=expect, scaling=scaling)
+    try:
+        report = verify(
+            strategy,
+            step_fn,
+            args,
+            expected_replicas=expect,
+            scaling=scaling,
+            batch_size=batch_size if step else None,
+        )
+    except TypeError as error:  # what FUNCTION returned does not fit (e.g. --batch-size)
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from error
     if json_output:
         typer.echo(report.to_json())
     else:

@@ -17,9 +17,10 @@ class KerasStep:
     One object per step function and runner, so `run`'s program cache finds it again.
     """
 
-    def __init__(self, fn: Callable[..., Any], bridge: _bridge.Bridge) -> None:
+    def __init__(self, fn: Callable[..., Any], bridge: _bridge.Bridge, objects: list[Any]) -> None:
         self.fn = fn
         self.bridge = bridge
+        self.objects = objects  # the Keras objects the step reaches
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, holder: _bridge.Holder, *args: Any, **kwargs: Any) -> Any:
@@ -27,6 +28,18 @@ class KerasStep:
         return _bridge.call_stateless(
             bridge.variables, bridge.kinds, holder, lambda: self.fn(*args, **kwargs)
         )
+
+
+class Explicit:
+    """A step whose Keras state arrives as its first argument already (`verify` runs such
+    steps on copies of that state): `run` binds nothing more."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -72,18 +85,36 @@ def _entry(runner: Any, fn: Callable[..., Any], objects: list[Any]) -> _Entry:
                 f"(strategy: {strategy!r})"
             )
     kinds = _bridge.slot_kinds(objects, variables)
-    return _Entry(objects, KerasStep(fn, _bridge.Bridge(variables, kinds)))
+    return _Entry(objects, KerasStep(fn, _bridge.Bridge(variables, kinds), objects))
+
+
+def _initialize_created(runner: Any) -> None:
+    """Initialize, mirrored, the variables a lazy build (first call of a model, first apply
+    of an optimizer) created while the step was traced."""
+    from keras.src.backend.common.variables import initialize_all_variables
+
+    with runner._strategy.scope():
+        initialize_all_variables()
+
+
+def _lookup(
+    runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    from_args = _argument_objects(args, kwargs)
+    key = (_run._fn_key(_run._undecorated(fn)), *map(id, from_args))
+    cache: dict[Any, _Entry] = runner.__dict__.setdefault("_keras_entries", {})
+    entry = cache.get(key)
+    if entry is None:
+        objects = _captured_objects(_run._undecorated(fn)) + from_args
+        entry = cache[key] = _entry(runner, fn, objects)
+    return key, cache, entry
 
 
 def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Run `fn` with the Keras state it reaches, or `_run.NOT_BOUND` when it reaches none."""
-    inner = _run._undecorated(fn)
-    from_args = _argument_objects(args, kwargs)
-    key = (_run._fn_key(inner), *map(id, from_args))
-    cache: dict[Any, _Entry] = runner.__dict__.setdefault("_keras_entries", {})
-    entry = cache.get(key)
-    if entry is None:
-        entry = cache[key] = _entry(runner, fn, _captured_objects(inner) + from_args)
+    if isinstance(fn, KerasStep | Explicit):
+        return _run.NOT_BOUND
+    key, cache, entry = _lookup(runner, fn, args, kwargs)
     if entry.step is None:
         return _run.NOT_BOUND
     for attempt in range(3):
@@ -93,16 +124,43 @@ def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[
         try:
             out = runner.call(step, (step.bridge.holder, *args), kwargs)
         except _bridge.VariablesCreated:
-            # A lazy build (first call of a model, first apply of an optimizer) created
-            # variables while the step was traced: initialize them mirrored, then trace again.
+            # Initialize what the lazy build created, then trace again.
             if attempt == 2:
                 raise
-            from keras.src.backend.common.variables import initialize_all_variables
-
-            with runner._strategy.scope():
-                initialize_all_variables()
+            _initialize_created(runner)
             entry = cache[key] = _entry(runner, fn, entry.objects)
             continue
         step.bridge.push()
         return out
+    raise AssertionError("unreachable")
+
+
+def explicit(
+    runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[KerasStep, list[Any]] | None:
+    """`fn` as a step taking its Keras state as first argument, with that argument (a
+    `Holder` of the variables' current values), or None when `fn` reaches no Keras state.
+
+    `verify` runs the checks on copies of the holder: the Keras variables stay as they were.
+    The step is traced once here, so that a lazy build creates its variables first (nothing
+    runs).
+    """
+    key, cache, entry = _lookup(runner, fn, args, kwargs)
+    for attempt in range(3):
+        step = entry.step
+        if step is None:
+            return None
+        step.bridge.pull()
+        step_args = [step.bridge.holder, *args]
+        try:
+            runner.lowered(step, step_args, kwargs)
+        except _bridge.VariablesCreated:
+            if attempt == 2:
+                raise
+            _initialize_created(runner)
+            entry = cache[key] = _entry(runner, fn, entry.objects)
+            continue
+        except Exception:  # the step's own error: verify traces it again and reports it
+            pass
+        return step, step_args
     raise AssertionError("unreachable")

@@ -58,8 +58,9 @@ class SeedSlot(nnx.Variable):  # type: ignore[type-arg]
 class Holder(nnx.Pytree):
     """The slots of one set of Keras variables, passed to `strategy.run` as its first argument."""
 
-    def __init__(self, slots: list[nnx.Variable[Any]]) -> None:
+    def __init__(self, slots: list[nnx.Variable[Any]], paths: tuple[str, ...]) -> None:
         self.slots = nnx.List(slots)
+        self.variable_paths = paths  # static: how `verify` names each slot
 
 
 _KERAS_TYPES: tuple[type, ...] = (
@@ -173,7 +174,7 @@ class Bridge:
         self.variables = variables
         self.kinds = kinds
         self.slots = [kind(_value_of(v)) for v, kind in zip(variables, kinds, strict=True)]
-        self.holder = Holder(self.slots)
+        self.holder = Holder(self.slots, tuple(v.path for v in variables))
 
     def pull(self, values: list[Any] | None = None) -> None:
         """Keras → slots, before a step (`values`: arrays to use instead of the variables')."""

@@ -155,6 +155,8 @@ class _Step:
         model = self.model
         references = model.metrics_variables
         loss = jax.lax.psum(loss, REPLICA_AXIS)  # each replica holds its share of the loss
+        ctx = _context.current_replica_context()  # `verify` runs the step on 1 device too
+        assert ctx is not None
         rows = _real_rows()
         if rows is None:
             first = next(i for i in jax.tree.leaves(x) if i is not None)
@@ -172,7 +174,7 @@ class _Step:
             if new is old:
                 combined.append(old)
                 continue
-            combined.append(_run.summed_over_replicas(old, new, self.strategy.num_replicas_in_sync))
+            combined.append(_run.summed_over_replicas(old, new, ctx.num_replicas_in_sync))
         with StatelessScope(state_mapping=list(zip(references, combined, strict=True))):
             logs = model.get_metrics_result()
         return logs, combined

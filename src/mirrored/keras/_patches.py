@@ -29,7 +29,7 @@ from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 
-from mirrored import _context, _run
+from mirrored import _context, _run, layers
 from mirrored._mesh import REPLICA_AXIS
 
 # The strategy each model is tied to (created or compiled in its scope).
@@ -271,7 +271,9 @@ def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, inputs, mask)
             finally:
                 self.synchronized = True
-        if ctx is None or (rows is None and mask is None and not self.synchronized):
+        # `verify` compares with one device on global statistics (`layers.synchronizing`).
+        synchronized = self.synchronized or layers.synchronizing()
+        if ctx is None or (rows is None and mask is None and not synchronized):
             return original(self, inputs, mask)
         axes = tuple(self._reduction_axes)
         weights = jnp.ones(inputs.shape[:1], inputs.dtype) if rows is None else rows
@@ -281,12 +283,12 @@ def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
         weights = jnp.broadcast_to(weights, inputs.shape).astype(inputs.dtype)
         total = jnp.sum(inputs * weights, axes, keepdims=True)
         count = jnp.sum(weights, axes, keepdims=True)
-        if self.synchronized:
+        if synchronized:
             total = jax.lax.psum(total, REPLICA_AXIS)
             count = jax.lax.psum(count, REPLICA_AXIS)
         mean = total / jnp.maximum(count, 1)
         squares = jnp.sum(jnp.square(inputs - mean) * weights, axes, keepdims=True)
-        if self.synchronized:
+        if synchronized:
             squares = jax.lax.psum(squares, REPLICA_AXIS)
         variance = squares / jnp.maximum(count, 1)
         return jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
