@@ -13,12 +13,12 @@ from _helpers import assert_bit_identical_on_devices
 
 
 class Net(nnx.Module):
-    def __init__(self, norm="plain", seed=0):
+    def __init__(self, norm="plain", seed=0, fast=False):
         rngs = nnx.Rngs(seed)
         self.dense = nnx.Linear(3, 4, rngs=rngs)
         cls = {"plain": nnx.BatchNorm, "sync": mirrored.layers.SyncBatchNorm}[norm]
-        # Two-pass variance, as mirrored computes it: the reference's rounding is then ours.
-        self.bn = cls(4, momentum=0.9, use_fast_variance=False, rngs=rngs)
+        # mirrored computes the variance as the layer asks: one pass (Flax's default) or two.
+        self.bn = cls(4, momentum=0.9, use_fast_variance=fast, rngs=rngs)
         self.ln = nnx.LayerNorm(4, rngs=rngs)
         self.out = nnx.Linear(4, 2, rngs=rngs)
 
@@ -36,9 +36,9 @@ def step(model, optimizer, x, y):
     return loss
 
 
-def single_device_reference(batches, norm="plain"):
+def single_device_reference(batches, norm="plain", fast=False):
     """Plain JAX, no strategy: one device on each whole global batch."""
-    model = Net(norm)
+    model = Net(norm, fast=fast)
     optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
 
     @nnx.jit
@@ -66,9 +66,9 @@ def data(sizes, seed=0):
     return out
 
 
-def train(strategy, batches, norm):
+def train(strategy, batches, norm, fast=False):
     with strategy.scope():
-        model = Net(norm)
+        model = Net(norm, fast=fast)
         optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
     # Each global batch distributed as it is: ragged ones padded, replicas left empty by 5.
     for dist in strategy.experimental_distribute_dataset(batches):
@@ -89,11 +89,12 @@ def _max_diff(a, b):
 SIZES = (16, 13, 5, 16)
 
 
-@pytest.mark.parametrize("replicas", [8, 2, 1])
-def test_sync_batchnorm_on_n_replicas_equals_one_device_ragged_batches_included(replicas):
+@pytest.mark.parametrize(("replicas", "fast"), [(8, False), (2, False), (1, False), (8, True)])
+def test_sync_batchnorm_on_n_replicas_equals_one_device_ragged_batches_included(replicas, fast):
     batches = data(SIZES)
-    expected = single_device_reference(batches)
-    model = train(mirrored.MirroredStrategy(jax.devices()[:replicas]), batches, "sync")
+    expected = single_device_reference(batches, fast=fast)
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    model = train(strategy, batches, "sync", fast=fast)
     assert _max_diff(model, expected) <= 1e-5
     assert_bit_identical_on_devices(model)
 
@@ -231,3 +232,22 @@ def test_verify_still_catches_a_wrongly_scaled_step_with_batchnorm():
     report = mirrored.verify(strategy, per_replica_mean_step, (model, optimizer, *batch))
     check = report["Single-device equivalence"]
     assert check.status == "FAIL" and "8.0× too large" in check.summary
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_one_replica_computes_the_statistics_as_flax_does_on_a_padded_batch(fast):
+    """At one replica the real rows are the whole batch: Flax's own formula, to rounding."""
+    rng = np.random.default_rng(4)
+    # Two passes keep their digits when |mean| ≫ std; one pass loses them (in Flax too).
+    x = (rng.normal(size=(13, 6, 5)) * 3 + (1 if fast else 40)).astype(np.float32)
+    reference = nnx.BatchNorm(5, use_fast_variance=fast, rngs=nnx.Rngs(0))
+    expected = np.asarray(reference(jnp.asarray(x), use_running_average=False))
+    strategy = mirrored.MirroredStrategy(jax.devices()[:1])
+    with strategy.scope():
+        norm = nnx.BatchNorm(5, use_fast_variance=fast, rngs=nnx.Rngs(0))
+    full = np.concatenate([x, x[:3]])  # a first batch of 16 rows: the static shape
+    (_, (padded,)) = list(strategy.experimental_distribute_dataset([(full,), (x,)]))
+    assert padded.shape == (16, 6, 5)  # 13 real rows and 3 padded ones
+    out = strategy.run(lambda n, v: n(v, use_running_average=False), args=(norm, padded))
+    np.testing.assert_allclose(strategy.gather(out, axis=0), expected, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(norm.var[...], reference.var[...], rtol=1e-5)

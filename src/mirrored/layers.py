@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,40 +46,69 @@ def _example_mask(x: Any, reduction_axes: tuple[int, ...]) -> Any:
 
 
 def _statistics(
-    x: Any, reduction_axes: tuple[int, ...], mask: Any, dtype: Any, synchronized: bool
+    x: Any,
+    reduction_axes: tuple[int, ...],
+    mask: Any,
+    dtype: Any,
+    synchronized: bool,
+    *,
+    fast: bool,
 ) -> tuple[Any, Any]:
     """Mean and variance over the real rows (of every replica when `synchronized`).
 
-    Sums and counts, then sums of squared deviations, are all-reduced, so replicas holding
-    different numbers of real rows weigh each row once (averaging per-replica means would not).
-    A replica with no real row at all uses its padded rows locally (copies of real rows, so
-    finite) rather than divide by zero.
+    Sums and counts are all-reduced, so replicas holding different numbers of real rows weigh
+    each row once (averaging per-replica means would not). The variance follows the layer's
+    own `use_fast_variance`, as Flax computes it: `fast`, one pass, E[x²] − E[x]² (one
+    all-reduce); otherwise two passes, E[(x − mean)²], which keeps its digits when
+    |mean| ≫ std. A replica with no real row at all uses its padded rows locally (copies of
+    real rows, so finite) rather than divide by zero.
     """
     dtype = jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
     x = jnp.asarray(x, dtype)
-    weight = jnp.ones(x.shape, dtype)
-    if mask is not None:
-        weight = weight * jnp.asarray(mask, dtype)
-    total = (x * weight).sum(reduction_axes)
-    count = weight.sum(reduction_axes)
+    stat_shape = tuple(n for a, n in enumerate(x.shape) if a not in reduction_axes)
+    full = x.size // max(1, math.prod(stat_shape))  # elements behind each statistic
+    weight = None if mask is None else jnp.asarray(mask, dtype)
+    if weight is None:
+        count = jnp.full(stat_shape, full, dtype)
+    else:
+        weight = weight.reshape((1,) * (x.ndim - weight.ndim) + weight.shape)
+        count = _count(weight, x.shape, reduction_axes, stat_shape)
+        if not synchronized:  # an all-padding replica falls back on its (finite) padded rows
+            empty = jnp.all(count == 0)
+            weight = jnp.where(empty, jnp.ones_like(weight), weight)
+            count = jnp.where(empty, jnp.full(stat_shape, full, dtype), count)
+    if synchronized and not _context.is_varying(count):  # no mask: each replica's own rows
+        count = jax.lax.pcast(count, REPLICA_AXIS, to="varying")
+    weighted = x if weight is None else x * weight
+    total = weighted.sum(reduction_axes)
+    if fast:
+        squares = (weighted * x).sum(reduction_axes)
+        if synchronized:
+            total, squares, count = jax.lax.psum((total, squares, count), REPLICA_AXIS)
+        safe = jnp.maximum(count, 1)
+        mean = total / safe
+        return mean, jnp.maximum(0.0, squares / safe - mean * mean)
     if synchronized:
-        if not _context.is_varying(count):  # no mask: every replica counts its own rows
-            count = jax.lax.pcast(count, REPLICA_AXIS, to="varying")
         total, count = jax.lax.psum((total, count), REPLICA_AXIS)
-    elif mask is not None:  # an all-padding replica falls back on its (finite) padded rows
-        empty = count == 0
-        total = jnp.where(empty, x.sum(reduction_axes), total)
-        count = jnp.where(empty, jnp.asarray(x.size // count.size, dtype), count)
-        weight = jnp.where(empty.reshape(_kept(x.ndim, reduction_axes, empty)), 1, weight)
     safe = jnp.maximum(count, 1)
     mean = total / safe
-    # Two passes: E[(x - mean)²]. The one-pass E[x²] - E[x]² loses every digit to
-    # cancellation when |mean| ≫ std, and N partial sums round differently from one.
-    centered = (x - _expand(mean, x.ndim, reduction_axes)) * weight
+    centered = x - _expand(mean, x.ndim, reduction_axes)
+    if weight is not None:
+        centered = centered * weight
     squares = (centered * centered).sum(reduction_axes)
     if synchronized:
         squares = jax.lax.psum(squares, REPLICA_AXIS)
     return mean, squares / safe
+
+
+def _count(
+    weight: Any, shape: tuple[int, ...], reduction_axes: tuple[int, ...], stat_shape: Any
+) -> Any:
+    """Σ weight over `reduction_axes` as if broadcast to `shape`, without materialising it."""
+    summed = tuple(a for a in reduction_axes if weight.shape[a] != 1)
+    scale = math.prod(shape[a] for a in reduction_axes if weight.shape[a] == 1)
+    count = weight.sum(summed, keepdims=True) * scale
+    return jnp.broadcast_to(count.squeeze(reduction_axes), stat_shape)
 
 
 def _expand(stat: Any, rank: int, reduction_axes: tuple[int, ...]) -> Any:
@@ -119,7 +149,9 @@ def batch_norm(
         rows = _example_mask(x, reduction_axes)
         if rows is not None:
             mask = rows if mask is None else jnp.logical_and(mask, rows)
-        mean, var = _statistics(x, reduction_axes, mask, layer.dtype, synchronized)
+        mean, var = _statistics(
+            x, reduction_axes, mask, layer.dtype, synchronized, fast=layer.use_fast_variance
+        )
         momentum = layer.momentum
         layer.mean[...] = jax.lax.stop_gradient(momentum * layer.mean[...] + (1 - momentum) * mean)
         layer.var[...] = jax.lax.stop_gradient(momentum * layer.var[...] + (1 - momentum) * var)
