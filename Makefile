@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/real_models.py
 	$(BIN)/python benchmarks/flax_tutorial.py
 	$(BIN)/python benchmarks/keras_models.py
+	$(BIN)/python benchmarks/time_to_first_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

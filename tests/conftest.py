@@ -2,7 +2,8 @@
 
 The suite compiles the same small programs many times (each test builds its own models and
 strategies; the demo, examples and docs run as subprocesses): one persistent XLA compilation
-cache for the session, inherited by the subprocesses, compiles each program once.
+cache for the session (mirrored.config's), inherited by the subprocesses, compiles each
+program once.
 """
 
 import atexit
@@ -18,12 +19,10 @@ import mirrored
 
 _CACHE = tempfile.mkdtemp(prefix="mirrored-tests-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # for the subprocesses
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# mirrored's own cache settings (every program, locked writes: the multi-process tests write
+# it at once), here and in the subprocesses, which never touch the user's ~/.cache.
+os.environ["MIRRORED_COMPILATION_CACHE"] = _CACHE
+mirrored.config.set_compilation_cache(_CACHE)
 
 jax.config.update("jax_platforms", "cpu")
 mirrored.simulate_cpu_devices(8)

@@ -83,6 +83,14 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
     assert seed["weak"]["efficiency"][0] == 1.0 and all(
         r > 0 for r in seed["strong"]["examples_per_s"]
     )
+    # FLOPs of one step from XLA's cost analysis: ~4 × batch × weights (forward and weight
+    # gradients; no input gradient), summed over the devices; against a measured peak.
+    weights = 784 * 128 + 128 * 10
+    assert 3.5 * 128 * weights < seed["weak"]["step_flops"][0] < 5 * 128 * weights
+    assert seed["weak"]["step_flops"][1] > 1.9 * seed["weak"]["step_flops"][0]  # 2 × 128 rows
+    assert all(0 < f < 1.5 for f in seed["weak"]["peak_fraction"])
+    assert all(p > 1e8 for p in report["peak_flop_per_s"])
+    assert all(0 < s < 60 for s in seed["weak"]["first_step_s"])
     assert plot.read_bytes()[:4] == b"\x89PNG"
     bad = _run([sys.executable, "-m", "mirrored.cli", "bench", "--models", "resnet"])
     assert bad.returncode == 2 and "unknown model" in bad.stderr
@@ -127,6 +135,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         ],
         ["flax_tutorial.py", "--devices", "1", "--steps", "1", "--repeats", "1"],
         ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
+        ["time_to_first_step.py", "--models", "seed_mlp", "--scripts", "run", "--repeats", "1"],
     ],
     ids=lambda s: s[0],
 )

@@ -1,6 +1,6 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
-from mirrored import callbacks, layers, losses, metrics, mixed_precision
+from mirrored import callbacks, config, layers, losses, metrics, mixed_precision
 from mirrored._checkpoint import (
     checkpoint_extras,
     latest_checkpoint,
@@ -63,6 +63,7 @@ __all__ = [
     "callbacks",
     "checkpoint_extras",
     "compute_average_loss",
+    "config",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

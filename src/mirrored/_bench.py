@@ -32,7 +32,10 @@ class MLP(nnx.Module):
 MODELS = {"seed_mlp": ((128,), 256), "wide_mlp": ((2048, 2048), 512)}
 
 
-def _rate(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) -> float:
+def _point(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) -> dict[str, float]:
+    """One configuration: examples/s, the seconds to its first finished step (strategy, model,
+    compile and one step), and the FLOPs of one step (XLA's cost analysis, all devices)."""
+    start = time.perf_counter()
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
         model = MLP(hidden, rngs=nnx.Rngs(0))
@@ -43,44 +46,93 @@ def _rate(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) -
         for _ in range(2)
     ]
     placed = list(strategy.experimental_distribute_dataset(host))
-    for x, y in placed:  # compile, warm up
-        loss = strategy.run(train_step, args=(model, optimizer, x, y))
+    loss = strategy.run(train_step, args=(model, optimizer, *placed[0]))
     jax.block_until_ready(loss.global_value)
+    first_step = time.perf_counter() - start
+    loss = strategy.run(train_step, args=(model, optimizer, *placed[1]))  # warm up
+    jax.block_until_ready(loss.global_value)
+    lowered = strategy._runner.lowered(train_step, (model, optimizer, *placed[0]), {})
+    cost = lowered.cost_analysis()  # one device's program; every device runs one
+    flops = float((cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)) * len(devices)
     start = time.perf_counter()
     for i in range(steps):
         x, y = placed[i % 2]
         loss = strategy.run(train_step, args=(model, optimizer, x, y))
     jax.block_until_ready(loss.global_value)
-    return steps * batch / (time.perf_counter() - start)
+    seconds = (time.perf_counter() - start) / steps
+    return {
+        "examples_per_s": batch / seconds,
+        "first_step_s": first_step,
+        "step_flops": flops,
+        "flop_per_s": flops / seconds,
+    }
+
+
+def matmul_peak(devices: list[Any], *, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a large float32 matmul on every device at once: the machine's peak as this
+    run can reach it (simulated CPU devices share the host's cores, so their sum does too)."""
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    split = jax.sharding.NamedSharding(mesh, PartitionSpec("d"))
+    rng = np.random.default_rng(0)
+    a = jax.device_put(rng.normal(size=(len(devices) * size, size)).astype(np.float32), split)
+    b = jax.device_put(rng.normal(size=(len(devices) * size, size)).astype(np.float32), split)
+    spec = PartitionSpec("d")
+    matmul = jax.jit(jax.shard_map(jnp_matmul, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    jax.block_until_ready(matmul(a, b))  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 * len(devices) / best
+
+
+def jnp_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return a @ b
 
 
 def scaling(models: list[str], *, steps: int = 20) -> dict[str, Any]:
     """Examples/s and efficiency for 1, 2, 4 … N replicas, weak (fixed per-replica batch) and
-    strong (fixed global batch) scaling, for each model."""
+    strong (fixed global batch) scaling, for each model; per point also the time to its first
+    step and its FLOP/s against the measured matmul peak of the same devices."""
     devices = jax.devices()
     n = len(devices)
     counts = sorted({1, *(2**k for k in range(1, n.bit_length()) if 2**k < n), n})
-    out: dict[str, Any] = {"platform": devices[0].platform, "devices": n, "models": {}}
+    peaks = [matmul_peak(devices[:c]) for c in counts]
+    out: dict[str, Any] = {
+        "platform": devices[0].platform,
+        "devices": n,
+        "peak_flop_per_s": peaks,
+        "models": {},
+    }
     for name in models:
         hidden, global_batch = MODELS[name]
         per_replica = max(1, global_batch // n)
         runs = steps if name == "seed_mlp" else max(3, steps // 5)
-        weak = [_rate(devices[:c], hidden, per_replica * c, runs) for c in counts]
-        strong = [_rate(devices[:c], hidden, global_batch, runs) for c in counts]
+        weak = [_point(devices[:c], hidden, per_replica * c, runs) for c in counts]
+        strong = [_point(devices[:c], hidden, global_batch, runs) for c in counts]
         out["models"][name] = {
             "replicas": counts,
-            "weak": {
-                "per_replica_batch": per_replica,
-                "examples_per_s": weak,
-                "efficiency": [w / (c * weak[0]) for w, c in zip(weak, counts, strict=True)],
-            },
-            "strong": {
-                "global_batch": global_batch,
-                "examples_per_s": strong,
-                "efficiency": [s / (c * strong[0]) for s, c in zip(strong, counts, strict=True)],
-            },
+            "weak": {"per_replica_batch": per_replica, **_columns(weak, counts, peaks)},
+            "strong": {"global_batch": global_batch, **_columns(strong, counts, peaks)},
         }
     return out
+
+
+def _columns(
+    points: list[dict[str, float]], counts: list[int], peaks: list[float]
+) -> dict[str, list[float]]:
+    rates = [p["examples_per_s"] for p in points]
+    return {
+        "examples_per_s": rates,
+        "efficiency": [r / (c * rates[0]) for r, c in zip(rates, counts, strict=True)],
+        "first_step_s": [p["first_step_s"] for p in points],
+        "step_flops": [p["step_flops"] for p in points],
+        "flop_per_s": [p["flop_per_s"] for p in points],
+        "peak_fraction": [p["flop_per_s"] / peak for p, peak in zip(points, peaks, strict=True)],
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -88,21 +140,42 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"mirrored bench — {report['devices']} {report['platform']} device(s)")
-    for column in ("model", "replicas", "weak ex/s", "weak eff.", "strong ex/s", "strong eff."):
-        table.add_column(column, justify="right")
+    table.add_column("model", no_wrap=True)
+    for column in ("N", "weak ex/s", "eff.", "strong ex/s", "eff.", "1st step", "GFLOP/s", "peak"):
+        table.add_column(column, justify="right", no_wrap=True)
     for name, data in report["models"].items():
+        weak, strong = data["weak"], data["strong"]
         for i, count in enumerate(data["replicas"]):
             table.add_row(
                 name,
                 str(count),
-                f"{data['weak']['examples_per_s'][i]:,.0f}",
-                f"{data['weak']['efficiency'][i]:.0%}",
-                f"{data['strong']['examples_per_s'][i]:,.0f}",
-                f"{data['strong']['efficiency'][i]:.0%}",
+                f"{weak['examples_per_s'][i]:,.0f}",
+                f"{weak['efficiency'][i]:.0%}",
+                f"{strong['examples_per_s'][i]:,.0f}",
+                f"{strong['efficiency'][i]:.0%}",
+                f"{strong['first_step_s'][i]:.2f} s",
+                f"{strong['flop_per_s'][i] / 1e9:,.1f}",
+                f"{strong['peak_fraction'][i]:.0%}",
             )
-    Console().print(table)
+    console = Console()
+    console.width = max(console.width, 100)  # nine columns: wider than a default 80
+    console.print(table)
+    peaks = ", ".join(
+        f"{c}: {p / 1e9:,.0f}"
+        for c, p in zip(
+            next(iter(report["models"].values()))["replicas"],
+            report["peak_flop_per_s"],
+            strict=True,
+        )
+    )
+    console.print(
+        f"Peak (a {1024}² float32 matmul on every device at once), GFLOP/s by replicas: {peaks}. "
+        "The last three columns are the strong-scaling runs (the model's global batch): time "
+        "from creating the strategy to the first finished step, and FLOP/s from XLA's cost "
+        "analysis of the compiled step."
+    )
     if report["platform"] == "cpu":
-        Console().print(
+        console.print(
             "Simulated CPU devices share the host's cores: these numbers test the machinery, "
             "not speed-up."
         )
@@ -114,12 +187,17 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, data in report["models"].items():
-        for ax, kind in zip(axes, ("weak", "strong"), strict=True):
+        for ax, kind in zip(axes[:2], ("weak", "strong"), strict=True):
             ax.plot(data["replicas"], data[kind]["efficiency"], "o-", label=name)
-    for ax, kind in zip(axes, ("Weak", "Strong"), strict=True):
+        axes[2].plot(data["replicas"], data["strong"]["peak_fraction"], "o-", label=name)
+    for ax, kind in zip(axes[:2], ("Weak", "Strong"), strict=True):
         ax.set(xlabel="replicas", ylabel="efficiency", ylim=(0, 1.1), title=f"{kind} scaling")
+    axes[2].set(
+        xlabel="replicas", ylabel="fraction", ylim=(0, 1.1), title="FLOP/s of the matmul peak"
+    )
+    for ax in axes:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

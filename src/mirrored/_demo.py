@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import mirrored
 from mirrored._devices import device_name
+from mirrored._platform import seconds_since_start
 
 
 class DigitsMLP(nnx.Module):
@@ -104,6 +105,7 @@ def run_demo(
         (x_train, y_train), batch_size=batch_size, shuffle=True, seed=seed
     )
     losses = []
+    first_step: float | None = None
     start = time.perf_counter()
     with Progress(
         TextColumn("epoch {task.fields[epoch]:>3}"),
@@ -120,6 +122,9 @@ def run_demo(
             for x, y in train:
                 per_replica_loss = strategy.run(train_step, args=(model, optimizer, x, y))
                 total = total + strategy.reduce("SUM", per_replica_loss, axis=None)
+                if first_step is None:  # one wait, once: the step is done, not only queued
+                    jax.block_until_ready(total)
+                    first_step = seconds_since_start()
                 progress.advance(task)
             mean_loss = float(total) / len(train)  # one host sync per epoch
             losses.append(mean_loss)
@@ -135,7 +140,32 @@ def run_demo(
     accuracy = correct / len(x_test)
     seconds = time.perf_counter() - start
     console.print(f"test accuracy {accuracy:.4f} on {len(x_test)} examples ({seconds:.1f} s)")
-    return {"replicas": n, "losses": losses, "test_accuracy": accuracy, "seconds": seconds}
+    _print_first_step(console, first_step)
+    return {
+        "replicas": n,
+        "losses": losses,
+        "test_accuracy": accuracy,
+        "seconds": seconds,
+        "time_to_first_step_s": first_step,
+    }
+
+
+class _FirstStep(mirrored.callbacks.Callback):
+    """Records when fit's first step has finished (one wait on the devices, once)."""
+
+    seconds: float | None = None
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.seconds is None:
+            jax.block_until_ready(jax.tree.leaves(nnx.state(self.trainer.model)))
+            self.seconds = seconds_since_start()
+
+
+def _print_first_step(console: Console, seconds: float | None) -> None:
+    cache = mirrored.config.compilation_cache_dir() or "off"
+    console.print(
+        f"time to first step {seconds:.1f} s after the process started (compilation cache: {cache})"
+    )
 
 
 def _fit_demo(
@@ -161,14 +191,23 @@ def _fit_demo(
             metrics=["accuracy"],
             from_logits=True,
         )
+    first_step = _FirstStep()
     history = trainer.fit(
-        x_train, y_train, batch_size=batch_size, epochs=epochs, validation_split=0.1, seed=seed
+        x_train,
+        y_train,
+        batch_size=batch_size,
+        epochs=epochs,
+        validation_split=0.1,
+        seed=seed,
+        callbacks=[first_step],
     )
     results = trainer.evaluate(x_test, y_test, batch_size=batch_size)
     seconds = time.perf_counter() - start
     accuracy = results["accuracy"]
     console.print(f"test accuracy {accuracy:.4f} on {len(x_test)} examples ({seconds:.1f} s)")
+    _print_first_step(console, first_step.seconds)
     return {
+        "time_to_first_step_s": first_step.seconds,
         "replicas": strategy.num_replicas_in_sync,
         "losses": history.history["loss"],
         "test_accuracy": accuracy,

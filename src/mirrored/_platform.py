@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import jax
 
@@ -43,3 +44,18 @@ def simulate_cpu_devices(n: int) -> None:
     if int(os.environ.get("NPROC", "0") or 0) < threads:
         os.environ["NPROC"] = str(threads)
     jax.config.update("jax_num_cpu_devices", n)
+
+
+_IMPORTED = time.perf_counter()
+
+
+def seconds_since_start() -> float:
+    """Seconds since this process started (Linux); elsewhere since mirrored was imported."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command's name
+        with open("/proc/uptime") as uptime:
+            up = float(uptime.read().split()[0])
+        return up - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED

@@ -18,14 +18,6 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-)
 
 from mirrored import _checkpoint, _learning_rate
 from mirrored._strategy import to_host
@@ -198,8 +190,10 @@ class ProgbarLogger(Callback):
     def __init__(self, verbose: int = 1, *, refresh_s: float = 0.25) -> None:
         self.verbose = verbose
         self.refresh_s = refresh_s
+        from rich.console import Console  # rich on first use: a custom loop never needs it
+
         self.console = Console(soft_wrap=True)
-        self._progress: Progress | None = None
+        self._progress: Any = None
         self._in_fit = False
 
     def _live(self) -> bool:
@@ -208,6 +202,14 @@ class ProgbarLogger(Callback):
     def _begin(self, label: str) -> None:
         self._label, self._start, self._last = label, time.perf_counter(), 0.0
         if self._live():
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
             self._progress = Progress(
                 TextColumn(label),
                 BarColumn(),

@@ -1,0 +1,101 @@
+"""Process-wide settings (TensorFlow's `tf.config` names where it has them).
+
+**Persistent compilation cache.** Every process used to compile its programs from scratch.
+mirrored turns on JAX's persistent compilation cache when the first strategy is created, in a
+per-user directory, so that a second run of the same program loads its compiled steps from
+disk instead of compiling them:
+
+| setting                                   | cache                                          |
+|-------------------------------------------|------------------------------------------------|
+| nothing (the default)                     | `$XDG_CACHE_HOME/mirrored/xla` (`~/.cache/...`)|
+| `MIRRORED_COMPILATION_CACHE=/some/dir`    | that directory                                 |
+| `MIRRORED_COMPILATION_CACHE=0` (or `off`) | none                                           |
+| `JAX_COMPILATION_CACHE_DIR` / JAX's config set by you | yours, left exactly as you set it  |
+| `mirrored.config.set_compilation_cache(path or None)` | that directory / none, at any time |
+
+Entries are written under a file lock and the directory is bounded (least recently used
+entries go first beyond `MAX_CACHE_BYTES`), so the processes of a multi-worker job, or two
+jobs, share one cache without corrupting it. Like any compilation cache it is trusted code:
+do not point it at a directory others can write to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+__all__ = ["compilation_cache_dir", "default_cache_dir", "set_compilation_cache"]
+
+logger = logging.getLogger("mirrored")
+
+ENV = "MIRRORED_COMPILATION_CACHE"
+MAX_CACHE_BYTES = 4 * 2**30
+_OFF = frozenset({"", "0", "off", "false", "no", "none"})
+_decided = False  # set once mirrored or the user has chosen the cache for this process
+
+
+def default_cache_dir() -> str:
+    """`$XDG_CACHE_HOME/mirrored/xla`, or `~/.cache/mirrored/xla`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mirrored", "xla")
+
+
+def compilation_cache_dir() -> str | None:
+    """The persistent compilation cache directory this process uses (None: none)."""
+    path = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
+    return str(path) if path else None
+
+
+def set_compilation_cache(path: str | os.PathLike[str] | None) -> None:
+    """Cache compiled programs in `path` from now on; `None` turns the cache off.
+
+    Every compiled program is cached (not only those slower than JAX's 1 s default), with
+    locked writes and least-recently-used eviction beyond `MAX_CACHE_BYTES`.
+
+    Example:
+        >>> mirrored.config.set_compilation_cache("/scratch/xla-cache")
+        >>> mirrored.config.set_compilation_cache(None)   # compile everything afresh
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    global _decided
+    _decided = True
+    if path is None:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+        return
+    directory = os.path.abspath(os.fspath(path))
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # A size bound makes JAX take a file lock around every read and write.
+    jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
+    compilation_cache.reset_cache()  # a cache opened on another directory is closed
+
+
+def use_default_compilation_cache() -> None:
+    """The default, applied when the first strategy is created (see the module's table)."""
+    global _decided
+    if _decided:
+        return
+    _decided = True
+    chosen = os.environ.get(ENV)
+    if chosen is not None:
+        if chosen.strip().lower() not in _OFF:
+            set_compilation_cache(chosen)
+        return
+    if compilation_cache_dir() is not None:  # the user's own JAX setting: theirs to keep
+        return
+    try:
+        set_compilation_cache(default_cache_dir())
+    except OSError as error:
+        logger.warning(
+            "mirrored expected to create its compilation cache in %s; found %s. Programs are "
+            "compiled afresh in every process. Fix: set %s to a writable directory, or to 0 to "
+            "silence this.",
+            default_cache_dir(),
+            error,
+            ENV,
+        )
