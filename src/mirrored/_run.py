@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mirrored import _capture, _context, _fastpath, layers, metrics
 from mirrored._leaves import is_leaf as _is_leaf
@@ -335,6 +337,77 @@ class Runner:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
         return self._call(program, guard, self._own_buffers(sorted_.state), *sorted_.with_mask())
 
+    def call_steps(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        batches: list[Any],
+    ) -> Any:
+        """`len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program (`run_steps`)."""
+        fn, args = _state_as_arguments(fn, args)
+        bad = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_leaf) if _is_per_replica(x)]
+        if bad:
+            raise ValueError(
+                "strategy.run_steps expected the batches from the iterator and mirrored state "
+                f"in args; found a PerReplica value in args ({bad[0].shape} per replica). A "
+                "value that differs per replica cannot stay fixed over several steps.\n"
+                "Fix: let the iterator yield it with each batch, or call strategy.run per step."
+            )
+        calls = [(*args, *(b if isinstance(b, tuple) else (b,))) for b in batches]
+        leaves, first = jax.tree.flatten((calls[0], kwargs), is_leaf=_is_leaf)
+        treedef: Any = first
+        sorted_ = self._sort(leaves, calls[0], kwargs)
+        columns: list[list[Any]] = [[] for _ in sorted_.split]
+        masks, counts = [], []
+        for call in calls:
+            step_leaves, step_treedef = jax.tree.flatten((call, kwargs), is_leaf=_is_leaf)
+            if step_treedef != treedef:
+                raise ValueError(
+                    "strategy.run_steps expected every batch of the iterator to have the "
+                    f"structure of the first; found {step_treedef} after {treedef}. Fix: yield "
+                    "batches of one structure."
+                )
+            step = self._sort(step_leaves, call, kwargs)
+            for column, value in zip(columns, step.split, strict=True):
+                column.append(value)
+            masks.append(step.mask)
+            counts.append(step.count)
+        masked = any(m is not None for m in masks)
+        stacked = _stack_steps(
+            columns, masks if masked else [], counts if masked else [], self._strategy
+        )
+        split, rep = (
+            ([*stacked[0], stacked[1]], [*sorted_.rep, stacked[2]])
+            if masked
+            else (stacked[0], sorted_.rep)
+        )
+        signature = "".join(sorted_.kinds)
+        statics = tuple((type(x), x) for x in sorted_.statics)
+        key = ("steps", len(batches), _fn_key(fn), treedef, signature, statics, masked)
+        program = self._programs.get(key)
+        if program is None:
+            if len(sorted_.unique) != signature.count(_VARIABLE):
+                raise ValueError(
+                    "strategy.run_steps expected each variable once among the arguments; "
+                    "found one reachable twice (tied weights). Fix: call strategy.run per step."
+                )
+            program = self._compile(
+                fn,
+                calls[0],
+                kwargs,
+                leaves,
+                treedef,
+                signature,
+                sorted_,
+                masked,
+                steps=len(batches),
+                inputs=(split, rep),
+            )
+            self._programs[key] = program
+        guard = _fastpath.Guard.unguarded(program, sorted_.unique)
+        return self._call(program, guard, self._own_buffers(sorted_.state), split, rep)
+
     def _program_for(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> tuple[_Program, _Sorted]:
@@ -440,7 +513,11 @@ class Runner:
         kinds: str,
         sorted_: _Sorted,
         masked: bool,
+        steps: int | None = None,
+        inputs: tuple[list[Any], list[Any]] | None = None,
     ) -> _Program:
+        """The program for one signature; `steps`: `run_steps`' K steps in one program, on
+        `inputs` (the stacked split and replicated inputs) instead of `sorted_`'s."""
         unique = sorted_.unique
         captured = _capture.find_captured(fn, self.is_mirrored)
         if captured:
@@ -468,11 +545,10 @@ class Runner:
         fn_name = getattr(fn, "__name__", type(fn).__name__)
         recorded: dict[str, Any] = {}
 
-        def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
-            mask = count = None
-            if masked:
-                mask, count = split[-1], rep[-1]
-                split, rep = split[:-1], rep[:-1]
+        def one_step(
+            state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
+        ) -> tuple[list[Any], Any]:
+            """One step of `fn` on this replica: the new state (mirrored again) and the output."""
             # One replica draws from the keys themselves: the numbers of the plain script.
             inner = _replica_keys(state, rng_slots) if self._n > 1 else list(state)
             fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
@@ -521,12 +597,30 @@ class Runner:
             for variable, value in zip(unique, new_state, strict=True):
                 if _context.is_varying(value):
                     raise _diverged_error(fn_name, args, kwargs, variable)
-            if expand is None:  # the first of the two traces
+            if warn:  # the first of the two traces
                 _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, self._n)
+            return new_state, out
+
+        def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+            mask = count = None
+            if masked:
+                mask, count = split[-1], rep[-1]
+                split, rep = split[:-1], rep[:-1]
+            if steps is None:
+                new_state, out = one_step(state, split, rep, mask, count, expand is None)
+                rows = None if mask is None else mask.shape[0]
+            else:  # `run_steps`: the batches (and masks, counts) stacked on a leading step axis
+
+                def scan_step(carry: list[Any], xs: Any) -> tuple[list[Any], Any]:
+                    split_k, mask_k, count_k = xs
+                    new, out = one_step(carry, split_k, rep, mask_k, count_k, expand is None)
+                    return new, jax.tree.map(jnp.asarray, out)
+
+                new_state, out = jax.lax.scan(scan_step, list(state), (split, mask, count))
+                rows = None  # outputs are stacked by step, not by example
             out_leaves, out_treedef = jax.tree.flatten(out)
             out_leaves = [jnp.asarray(x) for x in out_leaves]
             varying = tuple(_context.is_varying(x) for x in out_leaves)
-            rows = None if mask is None else mask.shape[0]
             per_example = tuple(
                 v and x.ndim >= 1 and x.shape[0] == rows
                 for x, v in zip(out_leaves, varying, strict=True)
@@ -537,17 +631,20 @@ class Runner:
             outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
             return new_state, outs, jnp.zeros((), jnp.int32)
 
+        # K steps: every split input carries the step on its leading axis, the batch on the next.
+        split_spec = SPLIT if steps is None else PartitionSpec(None, REPLICA_AXIS)
+
         def program(expand: Any, out_specs: Any) -> Any:
             return jax.shard_map(
                 lambda s, d, r: body(s, d, r, expand=expand),
                 mesh=self._mesh,
-                in_specs=(REPLICATED, SPLIT, REPLICATED),
+                in_specs=(REPLICATED, split_spec, REPLICATED),
                 out_specs=(REPLICATED, out_specs, REPLICATED),
                 check_vma=True,
             )
 
         state = sorted_.state
-        split, rep = sorted_.with_mask()
+        split, rep = sorted_.with_mask() if inputs is None else inputs
         # First trace: learn which outputs differ between replicas, to choose their specs.
         jax.eval_shape(program(None, SPLIT), state, split, rep)
         out_treedef, varying, per_example = recorded["out"]
@@ -574,6 +671,33 @@ class Runner:
             count,
             self._n,
         )
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+def _stack_steps(
+    columns: list[list[jax.Array]], masks: list[Any], counts: list[Any], strategy: Strategy
+) -> tuple[list[jax.Array], Any, Any]:
+    """Each split input's K values stacked on a new leading step axis (the batch axis stays
+    split over the replicas); with `masks`, the K masks and real-example counts likewise
+    (a batch without padding gets an all-real mask)."""
+    by_step = NamedSharding(strategy._mesh, PartitionSpec(None, REPLICA_AXIS))
+    if masks:
+        rows = next(m.shape[0] for m in masks if m is not None)
+        masks = [jnp.ones((rows,), jnp.bool_) if m is None else m for m in masks]
+        counts = [jnp.int32(rows) if c is None else c for c in counts]
+    stacked, mask = _stack_jit(tuple(map(tuple, columns)), tuple(masks), by_step)
+    count = jax.device_put(jnp.stack(counts), strategy._replicated) if masks else None
+    return list(stacked), mask, count
+
+
+@functools.partial(jax.jit, static_argnames=("sharding",))
+def _stack_jit(columns: Any, masks: Any, sharding: Any) -> Any:
+    stack = [jax.lax.with_sharding_constraint(jnp.stack(c), sharding) for c in columns]
+    mask = jax.lax.with_sharding_constraint(jnp.stack(masks), sharding) if masks else None
+    return stack, mask
 
 
 def summed_over_replicas(old: jax.Array, new: jax.Array, n: int) -> jax.Array:

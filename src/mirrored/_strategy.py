@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _context, _input, _keras_hook, _mesh, config
+from mirrored import _context, _input, _keras_hook, _mesh, _run, config
 from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._run import Runner, peer_failures
 from mirrored._values import PerReplica, ReduceOp, ValueContext, is_per_replica
@@ -221,6 +222,68 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"Expected kwargs to be a dict or None; found {type(kwargs).__name__}.")
         return self._runner(fn, args, kwargs or {})
+
+    def run_steps(
+        self,
+        fn: Callable[..., Any],
+        iterator: Iterator[Any],
+        *,
+        steps: int,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run up to `steps` steps in ONE compiled program: TensorFlow's `tf.function` that
+        loops `strategy.run` over `next(iterator)`, without a dispatch from Python per step.
+
+        Takes the next `steps` batches of `iterator` (a distributed dataset's), and runs
+        `fn(*args, *batch, **kwargs)` on each in order (a batch that is a tuple is unpacked,
+        as `strategy.run(fn, args=(*args, *batch))` would; any other batch is one argument),
+        inside a `jax.lax.scan`. The state in `args` is updated after every step exactly as
+        `steps` calls of `strategy.run` update it, ragged (padded) batches included.
+
+        Returns `fn`'s outputs stacked on a new leading axis, one entry per step run (fewer
+        than `steps` when the iterator ran out; `()` when `fn` returns nothing), or None when
+        the iterator was already exhausted. A different number of steps compiles a program of
+        its own.
+
+        Example:
+            >>> iterator = iter(strategy.experimental_distribute_dataset(ds))
+            >>> while (losses := strategy.run_steps(train_step, iterator, steps=32,
+            ...                                      args=(model, optimizer))) is not None:
+            ...     per_step = strategy.reduce("SUM", losses, axis=None)   # shape (32,)
+        """
+        if _context.current_replica_context() is not None:
+            raise RuntimeError(
+                "Expected strategy.run_steps to be called from the host; found it inside "
+                "strategy.run. Fix: call the inner function directly."
+            )
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"Expected steps to be a positive int; found {steps!r}.")
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"Expected args to be a tuple or list of arguments; found {type(args).__name__}."
+                " Fix: args=(model, optimizer)."
+            )
+        if not isinstance(iterator, Iterator):
+            raise TypeError(
+                f"Expected an iterator of distributed batches; found {type(iterator).__name__}. "
+                "Fix: iterator = iter(strategy.experimental_distribute_dataset(...)), made once "
+                "and passed to every call, so each call takes the next batches."
+            )
+        if _run.keras_bind is not None:
+            from mirrored.keras import _bind
+
+            if _bind.reaches_keras(self._runner, fn, args, kwargs or {}):
+                raise NotImplementedError(
+                    "strategy.run_steps does not run Keras steps yet (their Keras variables "
+                    "are bound per call of strategy.run). Fix: call strategy.run per step, or "
+                    "use model.fit, whose steps_per_execution Keras handles."
+                )
+        batches = list(itertools.islice(iterator, steps))
+        if not batches:
+            return None
+        out = self._runner.call_steps(fn, args, kwargs or {}, batches)
+        return () if out is None else out  # steps ran: never None, which means "exhausted"
 
     # -- cross-replica operations -----------------------------------------------------------------
 

@@ -135,6 +135,13 @@ def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[
     raise AssertionError("unreachable")
 
 
+def reaches_keras(
+    runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> bool:
+    """Whether `fn` reaches Keras state (captured or among its arguments)."""
+    return _lookup(runner, fn, args, kwargs)[2].step is not None
+
+
 def explicit(
     runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[KerasStep, list[Any]] | None:

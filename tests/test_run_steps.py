@@ -1,0 +1,113 @@
+"""Several steps per dispatch (issue 15): `strategy.run_steps` runs K steps of a distributed
+iterator in one program, equal to K calls of `strategy.run`, ragged last batch included."""
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import SmallMLP, assert_bit_identical_on_devices, global_batches, params_of
+from _helpers import train_step as mlp_step
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flax_mnist_tutorial.py"
+_spec = importlib.util.spec_from_file_location("flax_mnist_tutorial_steps", EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+tutorial = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tutorial)
+
+BATCHES = global_batches(7, 64)
+BATCHES[-1] = (BATCHES[-1][0][:13], BATCHES[-1][1][:13])  # ragged: 13 rows on 8 replicas
+
+
+def _max_diff(a, b):
+    pa, pb = params_of(a), params_of(b)
+    return max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa)
+
+
+def _state(strategy, make_tx):
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+@pytest.mark.parametrize("make_tx", [lambda: optax.sgd(0.1), lambda: optax.adam(0.01)])
+def test_k_steps_in_one_program_equal_k_runs_ragged_last_batch_included(replicas, make_tx):
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    dataset = strategy.experimental_distribute_dataset(BATCHES)
+    model, optimizer = _state(strategy, make_tx)
+    expected = [
+        float(strategy.reduce("SUM", strategy.run(mlp_step, args=(model, optimizer, *b)), None))
+        for b in dataset
+    ]
+    ours, our_optimizer = _state(strategy, make_tx)
+    iterator = iter(dataset)
+    losses = []
+    while (
+        out := strategy.run_steps(mlp_step, iterator, steps=3, args=(ours, our_optimizer))
+    ) is not None:
+        losses.append(np.asarray(strategy.reduce("SUM", out, axis=None)))
+    assert [len(x) for x in losses] == [3, 3, 1]  # 7 batches: the last call runs the one left
+    np.testing.assert_allclose(np.concatenate(losses), expected, rtol=0, atol=1e-6)
+    assert _max_diff(ours, model) <= 1e-6
+    assert int(our_optimizer.step[...]) == 7
+    assert_bit_identical_on_devices(ours)
+
+
+def test_the_flax_tutorial_step_dropout_batchnorm_and_metrics_inside_equal_k_runs():
+    """`@nnx.jit` step, Dropout drawing per replica and per step, BatchNorm's moving
+    statistics and `nnx.MultiMetric` updated inside: K steps in one program = K runs."""
+    strategy = mirrored.MirroredStrategy()
+    train, _ = tutorial.load_dataset()
+    batches = tutorial.batches(train, 32, steps=4)
+
+    def state():
+        with strategy.scope():
+            model = tutorial.CNN(rngs=nnx.Rngs(0))
+            # SGD: Adam turns the last bits of rounding (another fusion) into lr-sized steps.
+            optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+            metrics = nnx.MultiMetric(
+                accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+            )
+            rngs = nnx.Rngs(0)
+        view = nnx.view(model, deterministic=False, use_running_average=False)
+        return model, (view, optimizer, metrics, rngs)
+
+    reference, args = state()
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(tutorial.train_step, args=(*args, batch))
+    expected = args[2].compute()
+    ours, our_args = state()
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+    # The step returns nothing: () when steps ran, None once the iterator is exhausted.
+    assert strategy.run_steps(tutorial.train_step, iterator, steps=4, args=our_args) == ()
+    assert strategy.run_steps(tutorial.train_step, iterator, steps=4, args=our_args) is None
+    assert _max_diff(ours, reference) <= 1e-6
+    moving = nnx.state(ours, nnx.BatchStat)
+    for a, b in zip(
+        jax.tree.leaves(moving), jax.tree.leaves(nnx.state(reference, nnx.BatchStat)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    for name, value in our_args[2].compute().items():
+        assert float(value) == pytest.approx(float(expected[name]), abs=1e-6)
+
+
+def test_run_steps_errors_say_what_to_do(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    model, optimizer = _state(strategy, lambda: optax.sgd(0.1))
+    dataset = strategy.experimental_distribute_dataset(BATCHES[:2])
+    with pytest.raises(TypeError, match="iterator = iter"):
+        strategy.run_steps(mlp_step, dataset, steps=2, args=(model, optimizer))
+    with pytest.raises(ValueError, match="positive int"):
+        strategy.run_steps(mlp_step, iter(dataset), steps=0, args=(model, optimizer))
+    (x, y) = next(iter(dataset))
+    with pytest.raises(ValueError, match="PerReplica value in args"):
+        strategy.run_steps(lambda m, o, x, y, b: None, iter([(y, x)]), steps=1, args=(model, x))
+    exhausted = iter(dataset)
+    list(exhausted)
+    assert strategy.run_steps(mlp_step, exhausted, steps=2, args=(model, optimizer)) is None
