@@ -111,3 +111,57 @@ def test_run_steps_errors_say_what_to_do(devices):
     exhausted = iter(dataset)
     list(exhausted)
     assert strategy.run_steps(mlp_step, exhausted, steps=2, args=(model, optimizer)) is None
+
+
+RNG = np.random.default_rng(1)
+X = RNG.normal(size=(525, 12)).astype(np.float32)  # 525 at batch 64: a ragged last batch of 13
+Y = RNG.integers(0, 5, 525).astype(np.int32)
+
+
+class _Hooks(mirrored.callbacks.Callback):
+    def __init__(self):
+        self.begins, self.ends = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append((batch, round(logs["loss"], 6)))
+
+
+def _fit(replicas, make_tx, k, **fit_kwargs):
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    with strategy.scope():
+        trainer = mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(0)),
+            make_tx(),
+            "sparse_categorical_crossentropy",
+            ["accuracy"],
+            from_logits=True,
+            steps_per_execution=k,
+        )
+    hooks = _Hooks()
+    history = trainer.fit(
+        X, Y, batch_size=64, epochs=2, verbose=0, callbacks=[hooks], **fit_kwargs
+    ).history
+    return trainer, history, hooks
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+@pytest.mark.parametrize("make_tx", [lambda: optax.sgd(0.1), lambda: optax.adam(0.01)])
+def test_trainer_steps_per_execution_equals_one_step_per_execution(replicas, make_tx):
+    one, expected, _ = _fit(replicas, make_tx, 1, validation_split=0.1)
+    four, history, hooks = _fit(replicas, make_tx, 4, validation_split=0.1)
+    assert _max_diff(four.model, one.model) <= 1e-6
+    for name, values in expected.items():  # loss, accuracy and validation: equal, every epoch
+        np.testing.assert_allclose(history[name], values, rtol=0, atol=1e-6)
+    # 472 training examples at 64: 8 steps an epoch, the last ragged; hooks every 4 steps.
+    assert hooks.begins == [0, 4] * 2
+    assert [b for b, _ in hooks.ends] == [3, 7] * 2
+
+
+def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
+    _, _, hooks = _fit(8, lambda: optax.sgd(0.1), 3, steps_per_epoch=5)
+    assert hooks.begins == [0, 3] * 2 and [b for b, _ in hooks.ends] == [2, 4] * 2
+    with pytest.raises(ValueError, match="steps_per_execution to be a positive int"):
+        _fit(8, lambda: optax.sgd(0.1), 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -108,6 +109,23 @@ def _make_steps(
     return train_step, eval_step, predict_step
 
 
+def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]:
+    """The training step for `run_steps`: what one step adds to the running sums (they are
+    summed over the K steps on the devices afterwards, `_add_steps`)."""
+
+    def train_additions(model: Any, optimizer: Any, stateful: Any, rngs: Any, *batch: Any) -> Any:
+        zeros = jnp.zeros((width,), jnp.float32)
+        return train_step(model, optimizer, zeros, stateful, rngs, *batch)
+
+    return train_additions
+
+
+@jax.jit
+def _add_steps(totals: Any, additions: Any) -> Any:
+    """Running sums (replicas × width) plus K steps' additions (replicas × K × width)."""
+    return totals + jnp.sum(additions, axis=1)
+
+
 def _values(metric: _objectives.Metric, y: Any, y_pred: Any) -> Any:
     return _objectives.per_example(metric.values(y, y_pred)).astype(jnp.float32)
 
@@ -210,6 +228,11 @@ class Trainer:
             drawing its own numbers, new ones every step, reproducible from the seed;
             `evaluate` and `predict` call `model(x)` in eval mode (`model.eval()`: Dropout off,
             BatchNorm on its moving statistics). Create it inside `strategy.scope()`.
+        steps_per_execution: Keras' argument: `fit` compiles this many training steps into
+            one program (`strategy.run_steps`), one dispatch from Python per K steps; results
+            equal K single steps, ragged last batch included. The batch callbacks then see
+            `on_train_batch_begin` of each execution's first step and `on_train_batch_end`
+            of its last, as in Keras.
 
     Example:
         >>> with strategy.scope():
@@ -234,7 +257,18 @@ class Trainer:
         global_clipnorm: float | None = None,
         gradient_accumulation_steps: int = 1,
         rngs: nnx.Rngs | None = None,
+        steps_per_execution: int = 1,
     ) -> None:
+        if (
+            not isinstance(steps_per_execution, int)
+            or isinstance(steps_per_execution, bool)
+            or steps_per_execution < 1
+        ):
+            raise ValueError(
+                f"Expected steps_per_execution to be a positive int (steps compiled into one "
+                f"program); found {steps_per_execution!r}. Fix: e.g. steps_per_execution=32."
+            )
+        self.steps_per_execution = steps_per_execution
         self.strategy = strategy or get_strategy()
         if rngs is not None:
             if not isinstance(rngs, nnx.Rngs):
@@ -287,6 +321,7 @@ class Trainer:
         self._train_step, self._eval_step, self._predict_step = _make_steps(
             self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
         )
+        self._train_additions = _additions(self._train_step, len(names) + 2)
         self._train_totals = self._zeros()
         self.stop_training = False
         self._epoch = 0
@@ -521,29 +556,28 @@ class Trainer:
                 epoch + 1, skip=first_step if epoch == first_epoch else 0
             )
             step = first_step if epoch == first_epoch else 0
-            for batch in batches:
-                if steps is not None and step >= steps:
+            while steps is None or step < steps:
+                # Keras' steps_per_execution: K steps in one program; the batch hooks see the
+                # first step of each execution begin and the last one end.
+                size = self.steps_per_execution
+                chunk = [
+                    _batch_args(b)
+                    for b in itertools.islice(
+                        batches, size if steps is None else min(size, steps - step)
+                    )
+                ]
+                if not chunk:
                     break
                 if per_step:
                     callback_list.on_train_batch_begin(step, logs={})
                 if epoch == first_epoch and step == first_step:
-                    self._check_first_batch(batch, y)
-                self._train_totals = self.strategy.run(
-                    self._train_step,
-                    args=(
-                        self.model,
-                        self.optimizer,
-                        self._train_totals,
-                        self._stateful,
-                        self.rngs,
-                        *_batch_args(batch),
-                    ),
-                )
+                    self._check_first_batch(chunk[0], y)
+                self._train_on(chunk)
+                step += len(chunk)
                 if per_step:
                     callback_list.on_train_batch_end(
-                        step, logs=_Logs(lambda: self._read(self._train_totals))
+                        step - 1, logs=_Logs(lambda: self._read(self._train_totals))
                     )
-                step += 1
                 if self.stop_training:
                     break
             if steps is not None and step < steps and not self.stop_training:
@@ -565,6 +599,29 @@ class Trainer:
         self._interrupted = False
         callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
+
+    def _train_on(self, chunk: list[tuple[Any, ...]]) -> None:
+        """Train on the batches of `chunk`: one `run` per batch, or all in one program."""
+        state = (self.model, self.optimizer)
+        if self.steps_per_execution == 1:
+            (batch,) = chunk
+            self._train_totals = self.strategy.run(
+                self._train_step,
+                args=(*state, self._train_totals, self._stateful, self.rngs, *batch),
+            )
+            return
+        additions = self.strategy.run_steps(
+            self._train_additions,
+            iter(chunk),
+            steps=len(chunk),
+            args=(*state, self._stateful, self.rngs),
+        )
+        totals = self._train_totals
+        self._train_totals = PerReplica(
+            _add_steps(totals.global_value, additions.global_value),
+            num_replicas=totals.num_replicas,
+            stacked=True,
+        )
 
     def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
         """Keras' silent traps, on the first batch: logits given to a loss expecting
