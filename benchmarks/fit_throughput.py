@@ -2,10 +2,11 @@
 
 Same model, data and Adam in one process, 1 and N simulated devices. `fit` runs with loss
 tracking (exact global sums, read once per epoch) on (a) batches already on the devices, like
-the other two, and (b) in-memory arrays through the input fast path. Prints JSON; ratios are
-against plain JAX.
+the other two, (b) in-memory arrays through the input fast path, and (c) the same arrays with
+`steps_per_execution=K` (K steps per compiled program, one dispatch per K). Prints JSON;
+ratios are against plain JAX (its batches already on the devices).
 
-    python benchmarks/fit_throughput.py [--devices 8] [--steps 200]
+    python benchmarks/fit_throughput.py [--devices 8] [--steps 200] [--steps-per-execution 32]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="seed_mlp,wide_mlp")
+    parser.add_argument("--steps-per-execution", type=int, default=32)
     args = parser.parse_args()
     mirrored.simulate_cpu_devices(args.devices)
 
@@ -83,14 +85,31 @@ def main() -> None:
                 trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0)
                 return time.perf_counter() - start
 
-            for warm in (run_plain, run_loop, run_fit_placed, run_fit_arrays):
+            with strategy.scope():
+                multi = mirrored.Trainer(
+                    MLP(hidden, rngs=nnx.Rngs(0)),
+                    optax.adam(1e-3),
+                    "sparse_categorical_crossentropy",
+                    from_logits=True,
+                    steps_per_execution=args.steps_per_execution,
+                )
+
+            def run_fit_multi(trainer=multi, x=x_all, y=y_all, batch=batch) -> float:
+                return run_fit_arrays(trainer, x, y, batch)
+
+            runs = {
+                "plain": run_plain,
+                "loop": run_loop,
+                "fit": run_fit_placed,
+                "fit_arrays": run_fit_arrays,
+                "fit_multi": run_fit_multi,
+            }
+            for warm in runs.values():
                 warm()
-            times: dict[str, list[float]] = {k: [] for k in ("plain", "loop", "fit", "fit_arrays")}
+            times: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(args.repeats):  # interleaved, so drift hits all alike
-                times["plain"].append(run_plain())
-                times["loop"].append(run_loop())
-                times["fit"].append(run_fit_placed())
-                times["fit_arrays"].append(run_fit_arrays())
+                for key, run in runs.items():
+                    times[key].append(run())
             eps = {k: steps * batch / statistics.median(v) for k, v in times.items()}
             row = {
                 "model": name,
@@ -103,6 +122,9 @@ def main() -> None:
                 "run_loop_ratio": round(eps["loop"] / eps["plain"], 3),
                 "fit_ratio": round(eps["fit"] / eps["plain"], 3),
                 "fit_from_arrays_ratio": round(eps["fit_arrays"] / eps["plain"], 3),
+                "steps_per_execution": args.steps_per_execution,
+                "fit_from_arrays_multi_step_examples_per_s": round(eps["fit_multi"]),
+                "fit_from_arrays_multi_step_ratio": round(eps["fit_multi"] / eps["plain"], 3),
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

@@ -117,6 +117,8 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "2",
             "--steps",
             "3",
+            "--steps-per-execution",
+            "2",
             "--repeats",
             "1",
             "--models",
