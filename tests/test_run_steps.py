@@ -165,3 +165,37 @@ def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
     assert hooks.begins == [0, 3] * 2 and [b for b, _ in hooks.ends] == [2, 4] * 2
     with pytest.raises(ValueError, match="steps_per_execution to be a positive int"):
         _fit(8, lambda: optax.sgd(0.1), 0)
+
+
+def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch):
+    """steps_per_execution > 1 gathers batches from arrays placed on the devices once: the
+    same shuffled batches, padding and masks as reading them from the host (sample weights
+    included), and only under the size threshold."""
+    weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+
+    def run(k):
+        strategy = mirrored.MirroredStrategy()
+        with strategy.scope():
+            trainer = mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                ["accuracy"],
+                from_logits=True,
+                steps_per_execution=k,
+            )
+        history = trainer.fit(
+            X, Y, batch_size=64, epochs=2, sample_weight=weights, seed=3, verbose=0
+        ).history
+        return trainer, history
+
+    resident, history = run(4)
+    assert resident._resident(X, Y, None) is not None
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")  # every batch from the host
+    host, expected = run(4)
+    assert host._resident(X, Y, None) is None
+    assert _max_diff(resident.model, host.model) == 0.0
+    assert history == expected
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "lots")
+    with pytest.raises(ValueError, match="number of bytes"):
+        resident._resident(X, Y, None)

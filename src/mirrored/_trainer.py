@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mirrored import _checkpoint, _context, _learning_rate, _objectives
+from mirrored import _batching, _checkpoint, _context, _learning_rate, _objectives, config
 from mirrored._input import DistributedDataset, source_length
 from mirrored._losses import compute_average_loss, weighted_losses
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
@@ -118,6 +118,19 @@ def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]
         return train_step(model, optimizer, zeros, stateful, rngs, *batch)
 
     return train_additions
+
+
+def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`step(*head, *batch)` as `(*head, data, index)`: the batch is `data`'s rows `index`,
+    gathered on this replica's device (the data is mirrored on every device)."""
+
+    def gathered(*args: Any) -> Any:
+        *head, data, index = args
+        batch = jax.tree.map(lambda a: jnp.take(a, index, axis=0), data)
+        return step(*head, *batch)
+
+    gathered.__name__ = getattr(step, "__name__", "train_step")
+    return gathered
 
 
 @jax.jit
@@ -517,8 +530,16 @@ class Trainer:
             validation_data = jax.tree.map(lambda a: a[cut:], arrays)
             x, y, *weights = jax.tree.map(lambda a: a[:cut], arrays)
             sample_weight = weights[0] if weights else None
+        # In-memory arrays that fit on the devices are placed there once; each step gathers
+        # its rows on the devices (`data`), from the same index batches as the host path.
+        data = self._resident(x, y, sample_weight)
         train = self._dataset(
-            x, y, batch_size=batch_size, shuffle=shuffle, seed=seed, sample_weight=sample_weight
+            np.arange(len(jax.tree.leaves(x)[0])) if data is not None else x,
+            None if data is not None else y,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            sample_weight=None if data is not None else sample_weight,
         )
         # Keras: without steps_per_epoch, an epoch is one pass; for a source of unknown length
         # that is "until it runs out".
@@ -571,8 +592,9 @@ class Trainer:
                 if per_step:
                     callback_list.on_train_batch_begin(step, logs={})
                 if epoch == first_epoch and step == first_step:
-                    self._check_first_batch(chunk[0], y)
-                self._train_on(chunk)
+                    first = chunk[0] if data is None else self._rows(data, chunk[0][0])
+                    self._check_first_batch(first, y)
+                self._train_on(chunk, data)
                 step += len(chunk)
                 if per_step:
                     callback_list.on_train_batch_end(
@@ -600,21 +622,51 @@ class Trainer:
         callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
 
-    def _train_on(self, chunk: list[tuple[Any, ...]]) -> None:
-        """Train on the batches of `chunk`: one `run` per batch, or all in one program."""
+    def _resident(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...] | None:
+        """With `steps_per_execution` > 1, the training arrays placed on every device, or None
+        to read batches from the host: one step per execution (measured: as fast from the
+        host, and placing N copies once per `fit` costs more than a short fit reads), a
+        dataset, several processes, or arrays over `mirrored.config.device_data_bytes()`."""
+        if self.steps_per_execution == 1 or jax.process_count() > 1:
+            return None
+        if not (_is_arrays(x) and _is_arrays(y)):
+            return None
+        arrays: tuple[Any, ...] = (x, y)
+        if sample_weight is not None:
+            arrays = (x, y, _sample_weights(sample_weight, x))
+        arrays = jax.tree.map(_batching.as_host_array, arrays)
+        if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes():
+            return None
+        _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
+        return tuple(jax.device_put(arrays, self.strategy._replicated))
+
+    def _rows(self, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
+        """The distributed batch of `data`'s rows `index` (a distributed index batch)."""
+        rows = np.asarray(self.strategy.gather(index, axis=0))
+        host = jax.tree.map(lambda a: np.asarray(a)[rows], data)
+        return tuple(next(iter(self.strategy.experimental_distribute_dataset([host]))))
+
+    def _train_on(self, chunk: list[tuple[Any, ...]], data: tuple[Any, ...] | None) -> None:
+        """Train on the batches of `chunk`: one `run` per batch, or all in one program;
+        with `data` on the devices, the batches are index batches into it."""
         state = (self.model, self.optimizer)
+        train_step, additions_step = self._train_step, self._train_additions
+        rows: tuple[Any, ...] = ()
+        if data is not None:
+            train_step, additions_step = _gathering(train_step), _gathering(additions_step)
+            rows = (data,)
         if self.steps_per_execution == 1:
             (batch,) = chunk
             self._train_totals = self.strategy.run(
-                self._train_step,
-                args=(*state, self._train_totals, self._stateful, self.rngs, *batch),
+                train_step,
+                args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
             )
             return
         additions = self.strategy.run_steps(
-            self._train_additions,
+            additions_step,
             iter(chunk),
             steps=len(chunk),
-            args=(*state, self._stateful, self.rngs),
+            args=(*state, self._stateful, self.rngs, *rows),
         )
         totals = self._train_totals
         self._train_totals = PerReplica(

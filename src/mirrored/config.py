@@ -17,6 +17,13 @@ Entries are written under a file lock and the directory is bounded (least recent
 entries go first beyond `MAX_CACHE_BYTES`), so the processes of a multi-worker job, or two
 jobs, share one cache without corrupting it. Like any compilation cache it is trusted code:
 do not point it at a directory others can write to.
+
+**Device-resident training data.** `Trainer(..., steps_per_execution=K > 1).fit` on
+in-memory arrays places them on every device once per `fit` and gathers each batch there
+(the same batches, padding and masks as reading them from the host), so K batches need no
+copy from the host, when they take at most `device_data_bytes()` per device:
+`DEVICE_DATA_BYTES` (1 GiB) unless `MIRRORED_DEVICE_DATA_BYTES` says otherwise (`0`: always
+from the host, one copy per step).
 """
 
 from __future__ import annotations
@@ -26,14 +33,35 @@ import os
 
 import jax
 
-__all__ = ["compilation_cache_dir", "default_cache_dir", "set_compilation_cache"]
+__all__ = [
+    "compilation_cache_dir",
+    "default_cache_dir",
+    "device_data_bytes",
+    "set_compilation_cache",
+]
 
 logger = logging.getLogger("mirrored")
 
 ENV = "MIRRORED_COMPILATION_CACHE"
+DEVICE_DATA_ENV = "MIRRORED_DEVICE_DATA_BYTES"
+DEVICE_DATA_BYTES = 2**30
 MAX_CACHE_BYTES = 4 * 2**30
 _OFF = frozenset({"", "0", "off", "false", "no", "none"})
 _decided = False  # set once mirrored or the user has chosen the cache for this process
+
+
+def device_data_bytes() -> int:
+    """The most bytes of training arrays `fit` keeps on each device (see the module's note)."""
+    chosen = os.environ.get(DEVICE_DATA_ENV)
+    if chosen is None:
+        return DEVICE_DATA_BYTES
+    try:
+        return max(0, int(chosen))
+    except ValueError:
+        raise ValueError(
+            f"Expected {DEVICE_DATA_ENV} to be a number of bytes; found {chosen!r}. Fix: e.g. "
+            f"{DEVICE_DATA_ENV}=2000000000, or 0 to read every batch from the host."
+        ) from None
 
 
 def default_cache_dir() -> str:
