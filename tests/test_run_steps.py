@@ -167,14 +167,15 @@ def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
         _fit(8, lambda: optax.sgd(0.1), 0)
 
 
-def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch):
-    """steps_per_execution > 1 gathers batches from arrays placed on the devices once: the
-    same shuffled batches, padding and masks as reading them from the host (sample weights
-    included), and only under the size threshold."""
+@pytest.mark.parametrize(("replicas", "epochs"), [(1, 2), (8, 9)])
+def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, replicas, epochs):
+    """steps_per_execution > 1, for more epochs than replicas, gathers batches from arrays
+    placed on the devices once: the same shuffled batches, padding and masks as reading them
+    from the host (sample weights included), and only under the size threshold."""
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
 
     def run(k):
-        strategy = mirrored.MirroredStrategy()
+        strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
         with strategy.scope():
             trainer = mirrored.Trainer(
                 SmallMLP(rngs=nnx.Rngs(0)),
@@ -185,17 +186,18 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch):
                 steps_per_execution=k,
             )
         history = trainer.fit(
-            X, Y, batch_size=64, epochs=2, sample_weight=weights, seed=3, verbose=0
+            X, Y, batch_size=64, epochs=epochs, sample_weight=weights, seed=3, verbose=0
         ).history
         return trainer, history
 
     resident, history = run(4)
-    assert resident._resident(X, Y, None) is not None
+    assert resident._resident(X, Y, None, epochs=epochs) is not None
+    assert resident._resident(X, Y, None, epochs=replicas) is None  # too few epochs
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")  # every batch from the host
     host, expected = run(4)
-    assert host._resident(X, Y, None) is None
+    assert host._resident(X, Y, None, epochs=epochs) is None
     assert _max_diff(resident.model, host.model) == 0.0
     assert history == expected
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "lots")
     with pytest.raises(ValueError, match="number of bytes"):
-        resident._resident(X, Y, None)
+        resident._resident(X, Y, None, epochs=epochs)

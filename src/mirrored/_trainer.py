@@ -532,7 +532,7 @@ class Trainer:
             sample_weight = weights[0] if weights else None
         # In-memory arrays that fit on the devices are placed there once; each step gathers
         # its rows on the devices (`data`), from the same index batches as the host path.
-        data = self._resident(x, y, sample_weight)
+        data = self._resident(x, y, sample_weight, epochs=epochs - initial_epoch)
         train = self._dataset(
             np.arange(len(jax.tree.leaves(x)[0])) if data is not None else x,
             None if data is not None else y,
@@ -622,12 +622,17 @@ class Trainer:
         callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
 
-    def _resident(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...] | None:
+    def _resident(
+        self, x: Any, y: Any, sample_weight: Any, *, epochs: int
+    ) -> tuple[Any, ...] | None:
         """With `steps_per_execution` > 1, the training arrays placed on every device, or None
-        to read batches from the host: one step per execution (measured: as fast from the
-        host, and placing N copies once per `fit` costs more than a short fit reads), a
-        dataset, several processes, or arrays over `mirrored.config.device_data_bytes()`."""
+        to read batches from the host. From the host: one step per execution (measured: as
+        fast as from the devices), `epochs` ≤ the replica count (placing N copies up front
+        moves more than N epochs read, and measured slower), a dataset, several processes,
+        or arrays over `mirrored.config.device_data_bytes()`."""
         if self.steps_per_execution == 1 or jax.process_count() > 1:
+            return None
+        if epochs <= self.strategy.num_replicas_in_sync:
             return None
         if not (_is_arrays(x) and _is_arrays(y)):
             return None

@@ -19,9 +19,10 @@ jobs, share one cache without corrupting it. Like any compilation cache it is tr
 do not point it at a directory others can write to.
 
 **Device-resident training data.** `Trainer(..., steps_per_execution=K > 1).fit` on
-in-memory arrays places them on every device once per `fit` and gathers each batch there
-(the same batches, padding and masks as reading them from the host), so K batches need no
-copy from the host, when they take at most `device_data_bytes()` per device:
+in-memory arrays, for more epochs than replicas, places them on every device once per `fit`
+and gathers each batch there (the same batches, padding and masks as reading them from the
+host), so K batches need no copy from the host, when they take at most
+`device_data_bytes()` per device:
 `DEVICE_DATA_BYTES` (1 GiB) unless `MIRRORED_DEVICE_DATA_BYTES` says otherwise (`0`: always
 from the host, one copy per step).
 """
