@@ -68,7 +68,10 @@ def _point(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) 
     }
 
 
-def matmul_peak(devices: list[Any], *, size: int = 1024, repeats: int = 5) -> float:
+PEAK_MATMUL_SIZE = 1024  # the square float32 matmul that measures the peak
+
+
+def matmul_peak(devices: list[Any], *, size: int = PEAK_MATMUL_SIZE, repeats: int = 5) -> float:
     """FLOP/s of a large float32 matmul on every device at once: the machine's peak as this
     run can reach it (simulated CPU devices share the host's cores, so their sum does too)."""
     from jax.sharding import PartitionSpec
@@ -169,7 +172,8 @@ def print_report(report: dict[str, Any]) -> None:
         )
     )
     console.print(
-        f"Peak (a {1024}² float32 matmul on every device at once), GFLOP/s by replicas: {peaks}. "
+        f"Peak (a {PEAK_MATMUL_SIZE}² float32 matmul on every device at once), GFLOP/s by "
+        f"replicas: {peaks}. "
         "The last three columns are the strong-scaling runs (the model's global batch): time "
         "from creating the strategy to the first finished step, and FLOP/s from XLA's cost "
         "analysis of the compiled step."

@@ -26,7 +26,7 @@ from mirrored import _capture, _context, _fastpath, layers, metrics
 from mirrored._leaves import is_leaf as _is_leaf
 from mirrored._leaves import type_kind as _type_kind
 from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
-from mirrored._values import PerReplica
+from mirrored._values import PerReplica, is_per_replica
 
 if TYPE_CHECKING:
     from mirrored._strategy import Strategy
@@ -346,7 +346,7 @@ class Runner:
     ) -> Any:
         """`len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program (`run_steps`)."""
         fn, args = _state_as_arguments(fn, args)
-        bad = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_leaf) if _is_per_replica(x)]
+        bad = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_leaf) if is_per_replica(x)]
         if bad:
             raise ValueError(
                 "strategy.run_steps expected the batches from the iterator and mirrored state "
@@ -360,15 +360,17 @@ class Runner:
         sorted_ = self._sort(leaves, calls[0], kwargs)
         columns: list[list[Any]] = [[] for _ in sorted_.split]
         masks, counts = [], []
-        for call in calls:
-            step_leaves, step_treedef = jax.tree.flatten((call, kwargs), is_leaf=_is_leaf)
-            if step_treedef != treedef:
-                raise ValueError(
-                    "strategy.run_steps expected every batch of the iterator to have the "
-                    f"structure of the first; found {step_treedef} after {treedef}. Fix: yield "
-                    "batches of one structure."
-                )
-            step = self._sort(step_leaves, call, kwargs)
+        for i, call in enumerate(calls):
+            step = sorted_
+            if i:
+                step_leaves, step_treedef = jax.tree.flatten((call, kwargs), is_leaf=_is_leaf)
+                if step_treedef != treedef:
+                    raise ValueError(
+                        "strategy.run_steps expected every batch of the iterator to have the "
+                        f"structure of the first; found {step_treedef} after {treedef}. Fix: "
+                        "yield batches of one structure."
+                    )
+                step = self._sort(step_leaves, call, kwargs)
             for column, value in zip(columns, step.split, strict=True):
                 column.append(value)
             masks.append(step.mask)
@@ -671,10 +673,6 @@ class Runner:
             count,
             self._n,
         )
-
-
-def _is_per_replica(x: Any) -> bool:
-    return isinstance(x, PerReplica)
 
 
 def _stack_steps(

@@ -110,29 +110,44 @@ def _lookup(
     return key, cache, entry
 
 
-def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """Run `fn` with the Keras state it reaches, or `_run.NOT_BOUND` when it reaches none."""
-    if isinstance(fn, KerasStep | Explicit):
-        return _run.NOT_BOUND
-    key, cache, entry = _lookup(runner, fn, args, kwargs)
-    if entry.step is None:
-        return _run.NOT_BOUND
-    for attempt in range(3):
+def _after_lazy_builds(
+    runner: Any,
+    fn: Callable[..., Any],
+    found: tuple[Any, dict[Any, _Entry], _Entry],
+    attempt: Callable[[KerasStep], Any],
+) -> Any:
+    """`attempt(step)` on the step's current Keras values. When its trace created variables (a
+    lazy build: a model's first call, an optimizer's first apply), initialize them mirrored,
+    rebuild the step with them, and attempt again."""
+    key, cache, entry = found
+    for tries in range(3):
         step = entry.step
         assert step is not None
         step.bridge.pull()
         try:
-            out = runner.call(step, (step.bridge.holder, *args), kwargs)
+            return attempt(step)
         except _bridge.VariablesCreated:
-            # Initialize what the lazy build created, then trace again.
-            if attempt == 2:
+            if tries == 2:
                 raise
             _initialize_created(runner)
             entry = cache[key] = _entry(runner, fn, entry.objects)
-            continue
+    raise AssertionError("unreachable")
+
+
+def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Run `fn` with the Keras state it reaches, or `_run.NOT_BOUND` when it reaches none."""
+    if isinstance(fn, KerasStep | Explicit):
+        return _run.NOT_BOUND
+    found = _lookup(runner, fn, args, kwargs)
+    if found[2].step is None:
+        return _run.NOT_BOUND
+
+    def run(step: KerasStep) -> Any:
+        out = runner.call(step, (step.bridge.holder, *args), kwargs)
         step.bridge.push()
         return out
-    raise AssertionError("unreachable")
+
+    return _after_lazy_builds(runner, fn, found, run)
 
 
 def reaches_keras(
@@ -152,22 +167,19 @@ def explicit(
     The step is traced once here, so that a lazy build creates its variables first (nothing
     runs).
     """
-    key, cache, entry = _lookup(runner, fn, args, kwargs)
-    for attempt in range(3):
-        step = entry.step
-        if step is None:
-            return None
-        step.bridge.pull()
+    found = _lookup(runner, fn, args, kwargs)
+    if found[2].step is None:
+        return None
+
+    def trace(step: KerasStep) -> tuple[KerasStep, list[Any]]:
         step_args = [step.bridge.holder, *args]
         try:
             runner.lowered(step, step_args, kwargs)
         except _bridge.VariablesCreated:
-            if attempt == 2:
-                raise
-            _initialize_created(runner)
-            entry = cache[key] = _entry(runner, fn, entry.objects)
-            continue
+            raise
         except Exception:  # the step's own error: verify traces it again and reports it
             pass
         return step, step_args
-    raise AssertionError("unreachable")
+
+    made: tuple[KerasStep, list[Any]] = _after_lazy_builds(runner, fn, found, trace)
+    return made
