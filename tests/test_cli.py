@@ -91,6 +91,11 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
     assert all(0 < f < 1.5 for f in seed["weak"]["peak_fraction"])
     assert all(p > 1e8 for p in report["peak_flop_per_s"])
     assert all(0 < s < 60 for s in seed["weak"]["first_step_s"])
+    # The all-reduce: one float32 gradient per parameter at N = 2, none at N = 1, against the
+    # bus bandwidth of a large psum measured in the same run.
+    assert seed["strong"]["all_reduce_bytes"] == [0.0, 4.0 * (weights + 128 + 10)]
+    assert report["peak_bus_bytes_per_s"][0] == 0.0 and report["peak_bus_bytes_per_s"][1] > 1e7
+    assert 0 < seed["strong"]["all_reduce_share_at_peak"][1] < 1
     assert plot.read_bytes()[:4] == b"\x89PNG"
     bad = _run([sys.executable, "-m", "mirrored.cli", "bench", "--models", "resnet"])
     assert bad.returncode == 2 and "unknown model" in bad.stderr
@@ -138,6 +143,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         ["flax_tutorial.py", "--devices", "1", "--steps", "1", "--repeats", "1"],
         ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
         ["time_to_first_step.py", "--models", "seed_mlp", "--scripts", "run", "--repeats", "1"],
+        ["gpu_checks.py", "--allow-cpu"],  # benchmarks/gpu.sh's checks, on 8 CPU devices
     ],
     ids=lambda s: s[0],
 )

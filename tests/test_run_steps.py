@@ -201,3 +201,28 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, rep
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "lots")
     with pytest.raises(ValueError, match="number of bytes"):
         resident._resident(X, Y, None, epochs=epochs)
+
+
+class _TestHooks(mirrored.callbacks.Callback):
+    def __init__(self):
+        self.ends = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.ends.append((batch, round(logs["loss"], 6)))
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_evaluate_with_steps_per_execution_gives_the_same_numbers(replicas):
+    """evaluate runs K steps per program: the same loss and metrics as one step per program
+    (ragged last batch and sample weights included), test hooks every K steps."""
+    one, _, _ = _fit(replicas, lambda: optax.sgd(0.1), 1)
+    three, _, _ = _fit(replicas, lambda: optax.sgd(0.1), 3)
+    weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+    expected = one.evaluate(X, Y, batch_size=64, sample_weight=weights)
+    hooks = _TestHooks()
+    logs = three.evaluate(X, Y, batch_size=64, sample_weight=weights, callbacks=[hooks])
+    assert logs.keys() == expected.keys()
+    for name, value in expected.items():
+        assert logs[name] == pytest.approx(value, abs=1e-6)
+    assert [b for b, _ in hooks.ends] == [2, 5, 8]  # 525 rows at 64: 9 steps, 3 per program
+    assert hooks.ends[-1][1] == pytest.approx(logs["loss"], abs=1e-6)

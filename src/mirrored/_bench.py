@@ -60,11 +60,15 @@ def _point(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) 
         loss = strategy.run(train_step, args=(model, optimizer, x, y))
     jax.block_until_ready(loss.global_value)
     seconds = (time.perf_counter() - start) / steps
+    # The step all-reduces one gradient per parameter (float32), plus the loss.
+    gradient_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {
         "examples_per_s": batch / seconds,
         "first_step_s": first_step,
         "step_flops": flops,
         "flop_per_s": flops / seconds,
+        "all_reduce_bytes": float(gradient_bytes) if len(devices) > 1 else 0.0,
+        "step_s": seconds,
     }
 
 
@@ -96,6 +100,45 @@ def jnp_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return a @ b
 
 
+PEAK_PSUM_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20}  # per device; TPUs as GPUs
+
+
+def bus_bandwidth(count: int, nbytes: float, seconds: float) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce: what each link carries, comparable across
+    replica counts (a ring moves 2 (N - 1) / N of the buffer through every device)."""
+    return nbytes / seconds * 2 * (count - 1) / count
+
+
+def psum_peak(devices: list[Any], *, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bus bandwidth (bytes/s) of a large float32 ``psum`` over ``devices``: the all-reduce
+    peak this run can reach (0 for one device: there is nothing to reduce)."""
+    if len(devices) < 2:
+        return 0.0
+    from jax.sharding import PartitionSpec
+
+    nbytes = nbytes or PEAK_PSUM_BYTES.get(devices[0].platform, PEAK_PSUM_BYTES["gpu"])
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    spec = PartitionSpec("d")
+    rows = nbytes // 4
+    x = jax.device_put(
+        np.ones((len(devices) * rows,), np.float32), jax.sharding.NamedSharding(mesh, spec)
+    )
+    total = jax.jit(
+        jax.shard_map(_psum, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    )
+    jax.block_until_ready(total(x))  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(total(x))
+        best = min(best, time.perf_counter() - start)
+    return bus_bandwidth(len(devices), rows * 4, best)
+
+
+def _psum(x: jax.Array) -> jax.Array:
+    return jax.lax.psum(x, "d")
+
+
 def scaling(models: list[str], *, steps: int = 20) -> dict[str, Any]:
     """Examples/s and efficiency for 1, 2, 4 … N replicas, weak (fixed per-replica batch) and
     strong (fixed global batch) scaling, for each model; per point also the time to its first
@@ -104,10 +147,12 @@ def scaling(models: list[str], *, steps: int = 20) -> dict[str, Any]:
     n = len(devices)
     counts = sorted({1, *(2**k for k in range(1, n.bit_length()) if 2**k < n), n})
     peaks = [matmul_peak(devices[:c]) for c in counts]
+    bandwidths = [psum_peak(devices[:c]) for c in counts]
     out: dict[str, Any] = {
         "platform": devices[0].platform,
         "devices": n,
         "peak_flop_per_s": peaks,
+        "peak_bus_bytes_per_s": bandwidths,
         "models": {},
     }
     for name in models:
@@ -118,17 +163,31 @@ def scaling(models: list[str], *, steps: int = 20) -> dict[str, Any]:
         strong = [_point(devices[:c], hidden, global_batch, runs) for c in counts]
         out["models"][name] = {
             "replicas": counts,
-            "weak": {"per_replica_batch": per_replica, **_columns(weak, counts, peaks)},
-            "strong": {"global_batch": global_batch, **_columns(strong, counts, peaks)},
+            "weak": {
+                "per_replica_batch": per_replica,
+                **_columns(weak, counts, peaks, bandwidths),
+            },
+            "strong": {
+                "global_batch": global_batch,
+                **_columns(strong, counts, peaks, bandwidths),
+            },
         }
     return out
 
 
 def _columns(
-    points: list[dict[str, float]], counts: list[int], peaks: list[float]
+    points: list[dict[str, float]], counts: list[int], peaks: list[float], buses: list[float]
 ) -> dict[str, list[float]]:
     rates = [p["examples_per_s"] for p in points]
+    # The step's all-reduce at the measured peak bandwidth: the least time communication can
+    # take, as a share of the measured step (near 1: the model is too small for N devices).
+    floor = [
+        p["all_reduce_bytes"] * 2 * (c - 1) / c / bus / p["step_s"] if bus else 0.0
+        for p, c, bus in zip(points, counts, buses, strict=True)
+    ]
     return {
+        "all_reduce_bytes": [p["all_reduce_bytes"] for p in points],
+        "all_reduce_share_at_peak": floor,
         "examples_per_s": rates,
         "efficiency": [r / (c * rates[0]) for r, c in zip(rates, counts, strict=True)],
         "first_step_s": [p["first_step_s"] for p in points],
@@ -144,7 +203,8 @@ def print_report(report: dict[str, Any]) -> None:
 
     table = Table(title=f"mirrored bench — {report['devices']} {report['platform']} device(s)")
     table.add_column("model", no_wrap=True)
-    for column in ("N", "weak ex/s", "eff.", "strong ex/s", "eff.", "1st step", "GFLOP/s", "peak"):
+    columns = ("N", "weak ex/s", "eff.", "strong ex/s", "eff.", "1st step", "GFLOP/s", "peak")
+    for column in (*columns, "all-reduce"):
         table.add_column(column, justify="right", no_wrap=True)
     for name, data in report["models"].items():
         weak, strong = data["weak"], data["strong"]
@@ -159,9 +219,10 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{strong['first_step_s'][i]:.2f} s",
                 f"{strong['flop_per_s'][i] / 1e9:,.1f}",
                 f"{strong['peak_fraction'][i]:.0%}",
+                _all_reduce_cell(strong, i),
             )
     console = Console()
-    console.width = max(console.width, 100)  # nine columns: wider than a default 80
+    console.width = max(console.width, 118)  # ten columns: wider than a default 80
     console.print(table)
     peaks = ", ".join(
         f"{c}: {p / 1e9:,.0f}"
@@ -171,6 +232,22 @@ def print_report(report: dict[str, Any]) -> None:
             strict=True,
         )
     )
+    buses = ", ".join(
+        f"{c}: {b / 1e9:,.1f}"
+        for c, b in zip(
+            next(iter(report["models"].values()))["replicas"],
+            report["peak_bus_bytes_per_s"],
+            strict=True,
+        )
+        if b
+    )
+    if buses:
+        console.print(
+            f"All-reduce peak (a {PEAK_PSUM_BYTES.get(report['platform'], 0) >> 20} MiB psum "
+            f"per device), bus GB/s by replicas: {buses}. The all-reduce column is the step's "
+            "gradient bytes and the share of the step they take at that peak: near 100% the "
+            "model is too small for this many devices (raise the per-replica batch)."
+        )
     console.print(
         f"Peak (a {PEAK_MATMUL_SIZE}² float32 matmul on every device at once), GFLOP/s by "
         f"replicas: {peaks}. "
@@ -183,6 +260,13 @@ def print_report(report: dict[str, Any]) -> None:
             "Simulated CPU devices share the host's cores: these numbers test the machinery, "
             "not speed-up."
         )
+
+
+def _all_reduce_cell(columns: dict[str, Any], i: int) -> str:
+    nbytes = columns["all_reduce_bytes"][i]
+    if not nbytes:
+        return "—"
+    return f"{nbytes / 2**20:,.1f} MiB {columns['all_reduce_share_at_peak'][i]:.0%}"
 
 
 def plot_report(report: dict[str, Any], path: str | os.PathLike[str]) -> None:

@@ -120,6 +120,15 @@ def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]
     return train_additions
 
 
+def _eval_additions(eval_step: Callable[..., Any], width: int) -> Callable[..., Any]:
+    """The evaluation step for `run_steps`: what one step adds to the running sums."""
+
+    def eval_additions(model: Any, stateful: Any, *batch: Any) -> Any:
+        return eval_step(model, jnp.zeros((width,), jnp.float32), stateful, *batch)
+
+    return eval_additions
+
+
 def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
     """`step(*head, *batch)` as `(*head, data, index)`: the batch is `data`'s rows `index`,
     gathered on this replica's device (the data is mirrored on every device)."""
@@ -131,6 +140,15 @@ def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
 
     gathered.__name__ = getattr(step, "__name__", "train_step")
     return gathered
+
+
+def _plus_steps(totals: PerReplica, additions: PerReplica) -> PerReplica:
+    """Per-replica running sums plus what `run_steps`' K steps added to them."""
+    return PerReplica(
+        _add_steps(totals.global_value, additions.global_value),
+        num_replicas=totals.num_replicas,
+        stacked=True,
+    )
 
 
 @jax.jit
@@ -245,7 +263,9 @@ class Trainer:
             one program (`strategy.run_steps`), one dispatch from Python per K steps; results
             equal K single steps, ragged last batch included. The batch callbacks then see
             `on_train_batch_begin` of each execution's first step and `on_train_batch_end`
-            of its last, as in Keras.
+            of its last, as in Keras. `evaluate` (and fit's validation) runs K steps per
+            program too; `predict` runs one per program (its outputs go to the host every
+            batch; Keras runs K there as well).
 
     Example:
         >>> with strategy.scope():
@@ -335,6 +355,7 @@ class Trainer:
             self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
         )
         self._train_additions = _additions(self._train_step, len(names) + 2)
+        self._eval_additions = _eval_additions(self._eval_step, len(names) + 2)
         self._train_totals = self._zeros()
         self.stop_training = False
         self._epoch = 0
@@ -673,12 +694,7 @@ class Trainer:
             steps=len(chunk),
             args=(*state, self._stateful, self.rngs, *rows),
         )
-        totals = self._train_totals
-        self._train_totals = PerReplica(
-            _add_steps(totals.global_value, additions.global_value),
-            num_replicas=totals.num_replicas,
-            stacked=True,
-        )
+        self._train_totals = _plus_steps(self._train_totals, additions)
 
     def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
         """Keras' silent traps, on the first batch: logits given to a loss expecting
@@ -770,14 +786,31 @@ class Trainer:
         self.model.eval()
         totals = self._zeros()
         self._reset_metrics()
-        for step, batch in enumerate(dataset.epoch_iterator(1)):
+        batches = dataset.epoch_iterator(1)
+        step = 0
+        # steps_per_execution: K evaluation steps in one program, hooks every K steps (Keras).
+        while chunk := [
+            _batch_args(b) for b in itertools.islice(batches, self.steps_per_execution)
+        ]:
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
-            totals = self.strategy.run(
-                self._eval_step, args=(self.model, totals, self._stateful, *_batch_args(batch))
-            )
+            if self.steps_per_execution == 1:
+                totals = self.strategy.run(
+                    self._eval_step, args=(self.model, totals, self._stateful, *chunk[0])
+                )
+            else:
+                additions = self.strategy.run_steps(
+                    self._eval_additions,
+                    iter(chunk),
+                    steps=len(chunk),
+                    args=(self.model, self._stateful),
+                )
+                totals = _plus_steps(totals, additions)
+            step += len(chunk)
             if per_step:
-                callbacks.on_test_batch_end(step, logs=_Logs(functools.partial(self._read, totals)))
+                callbacks.on_test_batch_end(
+                    step - 1, logs=_Logs(functools.partial(self._read, totals))
+                )
         logs = self._read(totals)
         callbacks.on_test_end(logs)
         return {prefix + name: value for name, value in logs.items()}
