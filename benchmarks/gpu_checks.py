@@ -39,8 +39,7 @@ def main() -> None:
         )
     rng = np.random.default_rng(0)
     batches = [
-        (rng.normal(size=(64, 784)).astype(np.float32), rng.integers(0, 10, 64))
-        for _ in range(3)
+        (rng.normal(size=(64, 784)).astype(np.float32), rng.integers(0, 10, 64)) for _ in range(3)
     ]
     batches.append((batches[0][0][:37], batches[0][1][:37]))  # a ragged last batch
 
@@ -54,14 +53,19 @@ def main() -> None:
             for x, y in iterator:
                 strategy.run(train_step, args=(model, optimizer, x, y))
         else:
-            while strategy.run_steps(
-                train_step, iterator, steps=steps_per_program, args=(model, optimizer)
-            ) is not None:
+            while (
+                strategy.run_steps(
+                    train_step, iterator, steps=steps_per_program, args=(model, optimizer)
+                )
+                is not None
+            ):
                 pass
         return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
     def difference(a: Any, b: Any) -> float:
-        return max(float(np.max(np.abs(u - v))) for u, v in zip(*map(jax.tree.leaves, (a, b))))
+        return max(
+            float(np.max(np.abs(u - v))) for u, v in zip(*map(jax.tree.leaves, (a, b)), strict=True)
+        )
 
     checks: dict[str, Any] = {"platform": platform, "devices": [str(d) for d in devices]}
     one = train(devices[:1], optax.sgd(0.1))

@@ -19,6 +19,7 @@ from mirrored._multiworker import (
     TFConfigClusterResolver,
 )
 from mirrored._platform import simulate_cpu_devices
+from mirrored._profile import ProfileReport, profile
 from mirrored._run import PeerFailureError
 from mirrored._strategy import (
     MirroredStrategy,
@@ -52,6 +53,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "PerReplica",
+    "ProfileReport",
     "ReduceOp",
     "ReplicaContext",
     "Report",
@@ -73,6 +75,7 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "profile",
     "restore_checkpoint",
     "save_checkpoint",
     "scale_regularization_loss",

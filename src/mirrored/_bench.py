@@ -123,9 +123,7 @@ def psum_peak(devices: list[Any], *, nbytes: int | None = None, repeats: int = 5
     x = jax.device_put(
         np.ones((len(devices) * rows,), np.float32), jax.sharding.NamedSharding(mesh, spec)
     )
-    total = jax.jit(
-        jax.shard_map(_psum, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-    )
+    total = jax.jit(jax.shard_map(_psum, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     jax.block_until_ready(total(x))  # compile
     best = float("inf")
     for _ in range(repeats):

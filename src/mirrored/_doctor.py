@@ -60,3 +60,24 @@ def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
         )
     strategy, step_fn, args = made
     return strategy, step_fn, tuple(np.asarray(a) if isinstance(a, list) else a for a in args)
+
+
+def profile_step(
+    strategy: Any,
+    step_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    logdir: str,
+    steps: int,
+    batch_size: int | None = None,
+) -> Any:
+    """`mirrored.profile` of the doctor's step: the built-in one, the user's, or the fit step
+    of the compiled Keras model the user's FUNCTION returned."""
+    from mirrored._verify import _keras_prepared
+
+    prepared = _keras_prepared(strategy, step_fn, list(args), batch_size)
+    if prepared is not None:
+        from mirrored.keras import _bind
+
+        step_fn, args = _bind.Explicit(prepared.step), tuple(prepared.args)
+    return mirrored.profile(strategy, step_fn, args=args, steps=steps, logdir=logdir)

@@ -15,7 +15,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mirrored import _batching, _checkpoint, _context, _learning_rate, _objectives, config
+from mirrored import (
+    _batching,
+    _checkpoint,
+    _context,
+    _learning_rate,
+    _objectives,
+    _profile,
+    config,
+)
 from mirrored._input import DistributedDataset, source_length
 from mirrored._losses import compute_average_loss, weighted_losses
 from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
@@ -602,12 +610,13 @@ class Trainer:
                 # Keras' steps_per_execution: K steps in one program; the batch hooks see the
                 # first step of each execution begin and the last one end.
                 size = self.steps_per_execution
-                chunk = [
-                    _batch_args(b)
-                    for b in itertools.islice(
-                        batches, size if steps is None else min(size, steps - step)
-                    )
-                ]
+                with jax.profiler.TraceAnnotation(_profile.INPUT):  # the host waits for data
+                    chunk = [
+                        _batch_args(b)
+                        for b in itertools.islice(
+                            batches, size if steps is None else min(size, steps - step)
+                        )
+                    ]
                 if not chunk:
                     break
                 if per_step:

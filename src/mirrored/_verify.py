@@ -68,18 +68,9 @@ class Report:
 
     def print(self, console: Any = None) -> None:
         from rich.console import Console
-        from rich.table import Table
 
         console = console or Console()
-        table = Table(title="mirrored: proof of distribution", show_lines=True)
-        table.add_column("check")
-        table.add_column("status")
-        table.add_column("finding")
-        colors = {PASS: "green", WARN: "yellow", FAIL: "red", INFO: "blue"}
-        for c in self.checks:
-            text = c.summary + (f"\n\n{c.explanation}" if c.explanation else "")
-            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", text)
-        console.print(table)
+        console.print(checks_table(self.checks, "mirrored: proof of distribution"))
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Save the weak-scaling plot (needs the scaling check)."""
@@ -102,6 +93,21 @@ class Report:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+def checks_table(checks: Sequence[Check], title: str) -> Any:
+    """A rich table of `checks`: name, coloured status, finding and its explanation."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("finding")
+    colors = {PASS: "green", WARN: "yellow", FAIL: "red", INFO: "blue"}
+    for check in checks:
+        text = check.summary + (f"\n\n{check.explanation}" if check.explanation else "")
+        table.add_row(check.name, f"[{colors[check.status]}]{check.status}[/]", text)
+    return table
 
 
 # -- the checks, each pure -----------------------------------------------------------------

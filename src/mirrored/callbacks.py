@@ -780,9 +780,15 @@ class TensorBoard(Callback):
         update_freq: `"epoch"`; `"batch"` or an integer N: also the running logs as
             `batch_<name>` every N batches, at the number of batches since `fit` began
             (counting from 1). Each write waits for the step, as in Keras.
+        profile_batch: Keras' argument: profile batch N, or batches `(start, stop)` (counting
+            from 1 since `fit` began; 0, the default, profiles none) with `jax.profiler`
+            into `log_dir/train` (TensorBoard's Profile tab, Perfetto), then read the trace
+            back: `profile_report` holds where the time went (`mirrored.ProfileReport`) and
+            its verdicts are logged.
 
     Example:
         >>> tb = mirrored.callbacks.TensorBoard("logs", histogram_freq=1, update_freq=100)
+        >>> tb = mirrored.callbacks.TensorBoard("logs", profile_batch=(10, 15))
     """
 
     def __init__(
@@ -791,6 +797,7 @@ class TensorBoard(Callback):
         *,
         histogram_freq: int = 0,
         update_freq: str | int = "epoch",
+        profile_batch: int | tuple[int, int] = 0,
     ) -> None:
         if (
             isinstance(histogram_freq, bool)
@@ -812,6 +819,9 @@ class TensorBoard(Callback):
         self.histogram_freq = histogram_freq
         self.update_freq: str | int = 1 if update_freq == "batch" else update_freq
         self._writers: dict[str, EventWriter] = {}
+        self._profile = _profile_range(profile_batch)
+        self._tracer: Any = None
+        self.profile_report: Any = None  # a mirrored.ProfileReport once batches were profiled
 
     def _writer(self, split: str) -> EventWriter:
         # Created on first use, as in Keras: no validation/ directory without validation logs.
@@ -822,14 +832,30 @@ class TensorBoard(Callback):
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
         self._writers = {}
         self._global_batch = 0
+        self._tracer = None
         try:
             self.trainer.learning_rate  # noqa: B018 - readable or not, decided once
             self._log_rate = True
         except (ValueError, TypeError):
             self._log_rate = False
 
+    def on_train_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        if self._profile is None:
+            return
+        from mirrored import _profile
+
+        if self._global_batch + 1 == self._profile[0]:
+            self._tracer = _profile.Tracer(os.path.join(self.log_dir, "train"))
+            self._tracer.start()
+        if self._tracer is not None:
+            self._tracer.step_begin(self._global_batch)
+
     def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
         self._global_batch += 1
+        if self._tracer is not None:
+            self._tracer.step_end()
+            if self._global_batch >= self._profile[1]:  # type: ignore[index]
+                self._stop_profile()
         if (
             self.update_freq == "epoch"
             or self._global_batch % int(self.update_freq)
@@ -858,6 +884,53 @@ class TensorBoard(Callback):
             writer.flush()
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
+        if self._tracer is not None:  # fit ended inside the profiled range
+            self._stop_profile()
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
+
+    def _stop_profile(self) -> None:
+        from mirrored import _profile
+
+        tracer, self._tracer = self._tracer, None
+        trainer = self.trainer
+        tracer.stop(lambda: _profile._wait((trainer.model, trainer.optimizer)))
+        self.profile_report = tracer.report(trainer.strategy)
+        share = self.profile_report.breakdown
+        logger.info(
+            "Profiled %d batch(es) into %s: compute %.0f%%, collectives %.0f%%, input %.0f%%, "
+            "idle %.0f%% of the step.",
+            tracer.steps,
+            tracer.logdir,
+            *(100 * share[part] for part in ("compute", "collectives", "input", "idle")),
+        )
+        for check in self.profile_report.checks:
+            if check.status in ("WARN", "FAIL"):
+                logger.warning("%s: %s. %s", check.name, check.summary, check.explanation)
+
+
+def _profile_range(profile_batch: Any) -> tuple[int, int] | None:
+    """Keras' `profile_batch`: N, (start, stop) or "start,stop"; 0 for none."""
+    value = profile_batch
+    if isinstance(value, str):
+        try:
+            value = tuple(int(v) for v in value.split(","))
+        except ValueError:
+            value = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (
+        not isinstance(value, tuple | list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or value[0] < 0
+        or value[1] < value[0]
+        or (value[0] == 0 and value[1] != 0)
+    ):
+        raise ValueError(
+            "Expected profile_batch to be a non-negative int or a pair (start, stop) of "
+            f"batches to profile, counting from 1; found {profile_batch!r}. Fix: e.g. "
+            "profile_batch=5 or profile_batch=(10, 15); 0 profiles none."
+        )
+    return None if value[0] == 0 else (value[0], value[1])

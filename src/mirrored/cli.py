@@ -94,6 +94,14 @@ def doctor(
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     plot: str | None = typer.Option(None, "--plot", help="Save the scaling plot (PNG) here."),
     scaling: bool = typer.Option(True, help="Measure weak scaling over 1..N replicas."),
+    profile: str | None = typer.Option(
+        None,
+        "--profile",
+        metavar="DIR",
+        help="Also profile a few steps with jax.profiler: the trace goes to DIR (TensorBoard, "
+        "Perfetto) and a breakdown of the step's time (compute, collectives, input, idle).",
+    ),
+    profile_steps: int = typer.Option(5, "--profile-steps", min=1, help="Steps to profile."),
 ) -> None:
     """Prove that training is really distributed: devices, collectives, sync, scale, input."""
     _setup_devices(devices)
@@ -120,15 +128,30 @@ def doctor(
     except TypeError as error:  # what FUNCTION returned does not fit (e.g. --batch-size)
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from error
+    import json
+
+    profiled = None
+    if profile:
+        from mirrored._doctor import profile_step
+
+        profiled = profile_step(
+            strategy, step_fn, args, logdir=profile, steps=profile_steps, batch_size=batch_size
+        )
     if json_output:
-        typer.echo(report.to_json())
+        out = report.to_dict()
+        if profiled is not None:
+            out["profile"] = profiled.to_dict()
+            out["ok"] = out["ok"] and profiled.ok
+        typer.echo(json.dumps(out, indent=2, default=float))
     else:
         report.print()
+        if profiled is not None:
+            profiled.print()
     if plot:
         report.plot(plot)
         if not json_output:
             typer.echo(f"scaling plot: {plot}")
-    if not report.ok:
+    if not report.ok or (profiled is not None and not profiled.ok):
         raise typer.Exit(1)
 
 
