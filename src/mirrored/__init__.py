@@ -1,6 +1,6 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
-from mirrored import callbacks, config, layers, losses, metrics, mixed_precision
+from mirrored import callbacks, config, debug, layers, losses, metrics, mixed_precision
 from mirrored._checkpoint import (
     checkpoint_extras,
     latest_checkpoint,
@@ -66,6 +66,7 @@ __all__ = [
     "checkpoint_extras",
     "compute_average_loss",
     "config",
+    "debug",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -235,9 +235,7 @@ class Tracer:
         # Python function calls are not traced: on a small step, tracing them doubles the
         # host time it measures. TraceAnnotations (the steps, the input) are still recorded.
         options.python_tracer_level = 0
-        jax.profiler.start_trace(
-            self.logdir, create_perfetto_trace=True, profiler_options=options
-        )
+        jax.profiler.start_trace(self.logdir, create_perfetto_trace=True, profiler_options=options)
         self._enter(jax.profiler.TraceAnnotation(_PROFILED))
 
     def step_begin(self, step: int) -> None:

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mirrored import _capture, _context, _fastpath, layers, metrics
+from mirrored import _capture, _context, _fastpath, config, debug, layers, metrics
 from mirrored._leaves import is_leaf as _is_leaf
 from mirrored._leaves import type_kind as _type_kind
 from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
@@ -170,6 +171,12 @@ class _Program:
     # Outputs computed per example of a padded batch (leading axis = the replica's rows): they
     # carry the batch's mask, so reductions and gathers count real examples only.
     out_masked: tuple[bool, ...] = ()
+    # check_numerics: the last output is each replica's finite flags, of its batch leaves
+    # first (`check_inputs` of them), then of the checked values (`check_layout`'s stages).
+    checked: bool = False
+    check_inputs: int = 0
+    check_layout: tuple[tuple[str, str], ...] = ()
+    name: str = ""
     any_masked: bool = dataclasses.field(init=False)  # read every step
 
     def __post_init__(self) -> None:
@@ -191,6 +198,8 @@ class Runner:
         self._max_in_flight = max_in_flight
         self._donate = donate
         self._logged = False
+        self._eager_traced: set[Any] = set()  # step functions run eagerly at least once
+        self._steps_run: dict[str, int] = {}  # per step function, under check_numerics
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -320,9 +329,13 @@ class Runner:
     def call(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """One step of `fn` on every replica (`__call__` without the Keras bridge)."""
         fn, args = _state_as_arguments(fn, args)
+        if config.functions_run_eagerly():
+            leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=_is_leaf)
+            sorted_ = self._sort(leaves, args, kwargs)
+            return self._eagerly(fn, args, kwargs, leaves, treedef, sorted_)
         fn_key = _fn_key(fn)
         guard = self._guards.get(fn_key)
-        if guard is not None:
+        if guard is not None and guard.program.checked == debug.check_numerics_enabled():
             # Fast path: the state's structure is as last time; only the batch is flattened.
             inputs = guard.inputs(args, kwargs, self._check_split, self.is_mirrored)
             if inputs is not None:
@@ -384,9 +397,21 @@ class Runner:
             if masked
             else (stacked[0], sorted_.rep)
         )
+        if config.functions_run_eagerly():
+            return self._eagerly(
+                fn,
+                calls[0],
+                kwargs,
+                leaves,
+                treedef,
+                sorted_,
+                steps=len(batches),
+                inputs=(split, rep),
+            )
         signature = "".join(sorted_.kinds)
         statics = tuple((type(x), x) for x in sorted_.statics)
-        key = ("steps", len(batches), _fn_key(fn), treedef, signature, statics, masked)
+        checking = debug.check_numerics_enabled()
+        key = ("steps", len(batches), _fn_key(fn), treedef, signature, statics, masked, checking)
         program = self._programs.get(key)
         if program is None:
             if len(sorted_.unique) != signature.count(_VARIABLE):
@@ -426,7 +451,16 @@ class Runner:
         masked = sorted_.mask is not None
         statics = tuple((type(x), x) for x in sorted_.statics)  # True and 1 differ
         # `verify` traces BatchNorm on global statistics: a program of its own.
-        key = (_fn_key(fn), treedef, signature, statics, sharing, masked, layers.synchronizing())
+        key = (
+            _fn_key(fn),
+            treedef,
+            signature,
+            statics,
+            sharing,
+            masked,
+            layers.synchronizing(),
+            debug.check_numerics_enabled(),
+        )
         program = self._programs.get(key)
         if program is None:
             program = self._compile(fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
@@ -445,6 +479,33 @@ class Runner:
         """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
         return str(self.lowered(fn, args, kwargs).compile().as_text())
 
+    def _eagerly(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+        treedef: Any,
+        sorted_: _Sorted,
+        *,
+        steps: int | None = None,
+        inputs: tuple[list[Any], list[Any]] | None = None,
+    ) -> Any:
+        """`fn` op by op (`run_functions_eagerly`): the compiled path's program, traced with
+        the values themselves under `jax.disable_jit`, so `print`, `breakpoint()` and Python
+        `if` on values the same on every replica work inside the step."""
+        config.warn_eager_once()
+        masked = sorted_.mask is not None
+        kinds = "".join(sorted_.kinds)
+        run = self._compile(
+            fn, args, kwargs, leaves, treedef, kinds, sorted_, masked, steps, inputs, eager=True
+        )
+        split, rep = sorted_.with_mask() if inputs is None else inputs
+        with jax.disable_jit():
+            program = run(sorted_.state, split, rep)
+        guard = _fastpath.Guard.unguarded(program, sorted_.unique)
+        return self._call(program, guard, sorted_.state, split, rep)
+
     def _call(
         self,
         program: _Program,
@@ -459,6 +520,9 @@ class Runner:
                 _write(variable, value)
             guard.written = new_state
             self._bound_dispatch(token)
+            if program.checked:  # the state is the old one when a value was not finite
+                *outs, flags = outs
+                self._check_finite(program, flags)
         n = self._n
         # Outputs per example of a padded batch carry its mask (a masked program takes it last).
         mask, count = (split[-1], rep[-1]) if program.any_masked else (None, None)
@@ -479,6 +543,21 @@ class Runner:
                 )
             ],
         )
+
+    def _check_finite(self, program: _Program, flags: jax.Array) -> None:
+        """Raise `NonFiniteError` for the first step whose checked values were not all
+        finite (one small transfer per step: the flags)."""
+        found = np.asarray(flags)
+        if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, flags)
+            found = found[:, None, :]
+        first = self._steps_run.get(program.name, 0)
+        self._steps_run[program.name] = first + found.shape[1]
+        inputs, values = found[:, :, : program.check_inputs], found[:, :, program.check_inputs :]
+        good = values.all(axis=(0, 2))
+        if good.all():
+            return
+        k = int(np.argmin(good))
+        raise _non_finite_error(program, first + k, ~values[:, k], ~inputs[:, k])
 
     def _own_buffers(self, state: list[jax.Array]) -> list[jax.Array]:
         """The state with every array held once: a donated buffer must have one owner.
@@ -517,9 +596,13 @@ class Runner:
         masked: bool,
         steps: int | None = None,
         inputs: tuple[list[Any], list[Any]] | None = None,
-    ) -> _Program:
+        *,
+        eager: bool = False,
+    ) -> Any:
         """The program for one signature; `steps`: `run_steps`' K steps in one program, on
-        `inputs` (the stacked split and replicated inputs) instead of `sorted_`'s."""
+        `inputs` (the stacked split and replicated inputs) instead of `sorted_`'s. `eager`:
+        instead, a function that runs the step once on its inputs, without compiling, and
+        returns a `_Program` that hands out what it computed."""
         unique = sorted_.unique
         captured = _capture.find_captured(fn, self.is_mirrored)
         if captured:
@@ -546,11 +629,16 @@ class Runner:
         ]
         fn_name = getattr(fn, "__name__", type(fn).__name__)
         recorded: dict[str, Any] = {}
+        # The trace-time warnings, once per step function (an eager step traces every call).
+        quiet = eager and _fn_key(fn) in self._eager_traced
+        checking = debug.check_numerics_enabled()
+        state_names = _state_names(fn, args, kwargs, unique) if checking else []
 
         def one_step(
             state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
-        ) -> tuple[list[Any], Any]:
-            """One step of `fn` on this replica: the new state (mirrored again) and the output."""
+        ) -> tuple[list[Any], Any, Any]:
+            """One step of `fn` on this replica: the new state (mirrored again), the output,
+            and under check_numerics the finite flags (of the batch, of the values)."""
             # One replica draws from the keys themselves: the numbers of the plain script.
             inner = _replica_keys(state, rng_slots) if self._n > 1 else list(state)
             fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
@@ -576,15 +664,20 @@ class Runner:
                 batch_is_split=_SPLIT in kinds,
             )
             token = _context.enter_replica(ctx)
+            gradients: list[Any] = []
             try:
                 # A padded batch: BatchNorm statistics and Flax metrics leave padded rows out.
                 with contextlib.ExitStack() as patches:
+                    if checking:
+                        patches.enter_context(_capturing_gradients(gradients))
                     if masked:
                         patches.enter_context(layers.masked_batch_norm())
                         patches.enter_context(metrics.masked_flax_metrics())
                         for patch in masked_trace_patches:
                             patches.enter_context(patch())
                     out = fn(*call_args, **call_kwargs)
+            except jax.errors.TracerBoolConversionError as error:
+                raise _python_branch_error(error, fn_name, eager) from error
             finally:
                 _context.exit_replica(token)
             new_state = [v.get_raw_value() for v in fresh]
@@ -601,7 +694,11 @@ class Runner:
                     raise _diverged_error(fn_name, args, kwargs, variable)
             if warn:  # the first of the two traces
                 _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, self._n)
-            return new_state, out
+            flags = None
+            if checking:
+                flags, layout = _finite_flags(split, out, gradients, new_state, state_names)
+                recorded["check"] = layout
+            return new_state, out, flags
 
         def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
             mask = count = None
@@ -609,16 +706,27 @@ class Runner:
                 mask, count = split[-1], rep[-1]
                 split, rep = split[:-1], rep[:-1]
             if steps is None:
-                new_state, out = one_step(state, split, rep, mask, count, expand is None)
+                new_state, out, flags = one_step(
+                    state, split, rep, mask, count, expand is None and not quiet
+                )
+                if checking:  # a non-finite value on any replica: every replica keeps its state
+                    new_state = _unless_non_finite(flags, new_state, state, False)[0]
                 rows = None if mask is None else mask.shape[0]
             else:  # `run_steps`: the batches (and masks, counts) stacked on a leading step axis
 
-                def scan_step(carry: list[Any], xs: Any) -> tuple[list[Any], Any]:
+                def scan_step(carry: Any, xs: Any) -> tuple[Any, Any]:
+                    state_k, failed = carry
                     split_k, mask_k, count_k = xs
-                    new, out = one_step(carry, split_k, rep, mask_k, count_k, expand is None)
-                    return new, jax.tree.map(jnp.asarray, out)
+                    new, out, flags = one_step(
+                        state_k, split_k, rep, mask_k, count_k, expand is None and not quiet
+                    )
+                    if checking:  # after a non-finite step, the state stays as before it
+                        new, failed = _unless_non_finite(flags, new, state_k, failed)
+                    return (new, failed), (jax.tree.map(jnp.asarray, out), flags)
 
-                new_state, out = jax.lax.scan(scan_step, list(state), (split, mask, count))
+                (new_state, _), (out, flags) = jax.lax.scan(
+                    scan_step, (list(state), jnp.zeros((), bool)), (split, mask, count)
+                )
                 rows = None  # outputs are stacked by step, not by example
             out_leaves, out_treedef = jax.tree.flatten(out)
             out_leaves = [jnp.asarray(x) for x in out_leaves]
@@ -631,6 +739,8 @@ class Runner:
             # The first trace has no layout yet: give every output a replica axis.
             expand = (True,) * len(out_leaves) if expand is None else expand
             outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
+            if checking:  # the flags, an extra last output, per replica
+                outs.append(jnp.concatenate(flags, axis=-1)[None])
             return new_state, outs, jnp.zeros((), jnp.int32)
 
         # K steps: every split input carries the step on its leading axis, the batch on the next.
@@ -645,17 +755,52 @@ class Runner:
                 check_vma=True,
             )
 
+        def checked_fields() -> dict[str, Any]:
+            if not checking:
+                return {}
+            inputs, layout = recorded["check"]
+            return {
+                "checked": True,
+                "check_inputs": inputs,
+                "check_layout": tuple(layout),
+                "name": fn_name,
+            }
+
+        if eager:
+
+            def run(state: list[Any], split: list[Any], rep: list[Any]) -> _Program:
+                # Every output with a replica axis (as the first trace of the compiled path);
+                # those the same on every replica are then taken from the first replica.
+                new_state, outs, token = program(None, SPLIT)(state, split, rep)
+                self._eager_traced.add(_fn_key(fn))
+                out_treedef, varying, per_example = recorded["out"]
+                outs, extra = outs[: len(varying)], outs[len(varying) :]  # extra: the flags
+                outs = [x if v else x[0] for x, v in zip(outs, varying, strict=True)]
+                done = (new_state, [*outs, *extra], token)
+                return _Program(
+                    call=lambda *_: done,
+                    out_treedef=out_treedef,
+                    out_stacked=varying,
+                    out_masked=per_example,
+                    **checked_fields(),
+                )
+
+            return run
         state = sorted_.state
         split, rep = sorted_.with_mask() if inputs is None else inputs
         # First trace: learn which outputs differ between replicas, to choose their specs.
         jax.eval_shape(program(None, SPLIT), state, split, rep)
         out_treedef, varying, per_example = recorded["out"]
-        out_specs = [SPLIT if v else REPLICATED for v in varying]
+        out_specs = [SPLIT if v else REPLICATED for v in varying] + [SPLIT] * checking
         call = jax.jit(program(varying, out_specs), donate_argnums=0 if self._donate else ())
         if not self._logged:
             self._log_first_program(fn_name, call, state, split, rep)
         return _Program(
-            call=call, out_treedef=out_treedef, out_stacked=varying, out_masked=per_example
+            call=call,
+            out_treedef=out_treedef,
+            out_stacked=varying,
+            out_masked=per_example,
+            **checked_fields(),
         )
 
     def _log_first_program(self, fn_name: str, call: Any, *inputs: Any) -> None:
@@ -772,6 +917,216 @@ def _warn_per_replica_mean(
         n,
         n,
         n,
+    )
+
+
+@contextlib.contextmanager
+def _capturing_gradients(seen: list[Any]) -> Iterator[None]:
+    """While a step is traced under check_numerics: the gradients given to
+    `nnx.Optimizer.update` (its `LossScaleOptimizer` hands it finite ones) are recorded."""
+    original = nnx.Optimizer.update
+
+    def update(self: Any, model: Any, grads: Any, **kwargs: Any) -> Any:
+        seen.append(grads)
+        return original(self, model, grads, **kwargs)
+
+    nnx.Optimizer.update = update  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nnx.Optimizer.update = original  # type: ignore[method-assign]
+
+
+def _leaf_name(path: Any) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            if key.name != "value":
+                parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _state_names(
+    fn: Any, args: Sequence[Any], kwargs: dict[str, Any], unique: list[Any]
+) -> list[str]:
+    """A readable name for each of the step's variables: the step's parameter name, then
+    the path inside it (`model.hidden.kernel`, `optimizer.opt_state.0.mu.hidden.kernel`)."""
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    position = {id(v): i for i, v in enumerate(unique)}
+    names = [type(v).__name__ for v in unique]
+    found = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_leaf)[0]
+    for path, leaf in reversed(found):  # the first path reaching a variable names it
+        if id(leaf) not in position:
+            continue
+        if path[0].idx == 0 and isinstance(path[1], jax.tree_util.SequenceKey):
+            index = path[1].idx
+            head = params[index] if index < len(params) else f"args[{index}]"
+            names[position[id(leaf)]] = ".".join(filter(None, [head, _leaf_name(path[2:])]))
+        else:
+            names[position[id(leaf)]] = _leaf_name(path[1:])
+    return names
+
+
+def _finite(x: Any) -> Any:
+    """Whether every element of `x` is finite, as a per-replica (varying) boolean."""
+    flag = jnp.all(jnp.isfinite(x))
+    return flag if _context.is_varying(flag) else jax.lax.pcast(flag, REPLICA_AXIS, to="varying")
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _finite_flags(
+    batch: list[Any], out: Any, gradients: list[Any], new_state: list[Any], names: list[str]
+) -> tuple[tuple[Any, Any], tuple[int, list[tuple[str, str]]]]:
+    """This replica's finite flags: of its batch (reported, never an error by itself), then
+    of the step's outputs, the gradients it applied and its new state; and their layout."""
+    batch_flags = [_finite(x) for x in batch if _floating(x)]
+    layout: list[tuple[str, str]] = []
+    flags = []
+    for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if _floating(jnp.asarray(x)):
+            flags.append(_finite(x))
+            layout.append(("outputs", _leaf_name(path) or "the output"))
+    for grads in gradients:
+        for path, x in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            if _floating(x):
+                flags.append(_finite(x))
+                layout.append(("gradients", _leaf_name(path)))
+    for name, x in zip(names, new_state, strict=True):
+        if _floating(x):
+            flags.append(_finite(x))
+            layout.append(("state", name))
+
+    def stack(values: list[Any]) -> Any:
+        if not values:
+            return jax.lax.pcast(jnp.zeros((0,), bool), REPLICA_AXIS, to="varying")
+        return jnp.stack(values)
+
+    return (stack(batch_flags), stack(flags)), (len(batch_flags), layout)
+
+
+def _unless_non_finite(
+    flags: tuple[Any, Any], new: list[Any], old: list[Any], failed: Any
+) -> tuple[list[Any], Any]:
+    """`new`, or `old` on every replica when a checked value is not finite on any replica (or
+    an earlier step of the program failed); and whether this or an earlier step failed."""
+    bad = jax.lax.psum(jnp.sum(~flags[1]), REPLICA_AXIS) > 0
+    failed = jnp.logical_or(failed, bad)
+    kept = jax.lax.cond(failed, lambda: list(old), lambda: list(new))
+    return kept, failed
+
+
+def _non_finite_error(
+    program: _Program, step: int, bad: np.ndarray, bad_batch: np.ndarray
+) -> debug.NonFiniteError:
+    """The error for a step whose values `bad` (replicas × checked values) were not finite."""
+    layout = program.check_layout
+    paths: dict[str, list[str]] = {}
+    stage, replicas = "", []
+    for j, (where, name) in enumerate(layout):
+        if bad[:, j].any():
+            paths.setdefault(where, []).append(name)
+    for where in ("outputs", "gradients", "state"):
+        columns = [j for j, (w, _) in enumerate(layout) if w == where]
+        hit = [int(r) for r in np.nonzero(bad[:, columns].any(axis=1))[0]] if columns else []
+        if hit:
+            stage, replicas = where, hit
+            break
+    path = paths[stage][0]
+    parameter = (paths.get("gradients") or paths.get("state") or [""])[0]
+    parameter_stage = "gradients" if paths.get("gradients") else "state"
+    batch_replicas = [int(r) for r in np.nonzero(bad_batch.any(axis=1))[0]]
+    more = len(paths[stage]) - 1
+    where_text = {
+        "outputs": "the step's output" + ("" if path == "the output" else f" {path}"),
+        "gradients": f"the gradients, of {path}",
+        "state": f"the updated state, {path}",
+    }[stage]
+    message = (
+        f"Non-finite values (NaN or infinity) at step {step} of {program.name!r} (counting from "
+        f"0): first in {where_text}"
+        + (f" (and {more} more)" if more and stage != "outputs" else "")
+        + f", on replica(s) {replicas} of {bad.shape[0]}"
+        + (
+            f"; the batch on replica(s) {batch_replicas} already held non-finite values"
+            if batch_replicas
+            else ""
+        )
+        + "."
+        + (
+            f" The first parameter it reached: {parameter} (in the {parameter_stage})."
+            if parameter and stage == "outputs"
+            else ""
+        )
+        + " Non-finite: "
+        + "; ".join(
+            f"{w}: {', '.join(names[:4])}{' …' if len(names) > 4 else ''}"
+            for w, names in paths.items()
+        )
+        + ". The step was not applied: the model and optimizer are as they were before it.\n"
+        "Fix: look for NaN/inf in the input data (the batch), a log or sqrt of 0, or a "
+        "division by 0 in the loss; lower the learning rate or clip gradients "
+        "(Trainer(global_clipnorm=1.0), optax.clip_by_global_norm); for float16, loss "
+        "scaling (mirrored.mixed_precision)."
+    )
+    return debug.NonFiniteError(
+        message,
+        step=step,
+        replicas=replicas,
+        stage=stage,
+        path=path,
+        parameter=parameter,
+        paths=paths,
+        batch_replicas=batch_replicas,
+    )
+
+
+class PythonBranchError(jax.errors.TracerBoolConversionError):
+    """Python `if`, `while` or `bool()` on a value inside the step that has no Python truth
+    value: traced (compiled mode) or different on each replica (eager mode)."""
+
+    def __init__(self, message: str) -> None:
+        TypeError.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _python_branch_error(error: Exception, fn_name: str, eager: bool) -> PythonBranchError:
+    varying = "{V:" in str(error)
+    fix = (
+        "Fix: compute both sides and choose per element with jnp.where(condition, a, b), or "
+        "run one branch with jax.lax.cond(predicate, true_fn, false_fn, *operands) "
+        "(jax.lax.while_loop for a while)"
+    )
+    if varying:
+        return PythonBranchError(
+            f"Python if/while/bool() in {fn_name!r} on a value that differs per replica: "
+            "each replica would need its own Python branch, but the step is one program for "
+            f"all of them{' (even when run eagerly)' if eager else ''}. {fix}; or make the "
+            "value the same on every replica first, e.g. "
+            "mirrored.get_replica_context().all_reduce('SUM', value)."
+        )
+    return PythonBranchError(
+        f"Python if/while/bool() in {fn_name!r} on a traced value: strategy.run compiles the "
+        f"step, so its values have no Python truth value while it is traced. {fix}; or, to "
+        "debug with Python control flow, mirrored.config.run_functions_eagerly(True) (then "
+        "Python branches work on values that are the same on every replica)."
     )
 
 

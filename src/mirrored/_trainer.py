@@ -237,6 +237,17 @@ def _batch_args(batch: Any) -> tuple[Any, ...]:
     return tuple(batch)
 
 
+def _eager_when_asked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` with its steps run eagerly when the trainer's `run_eagerly` is set."""
+
+    @functools.wraps(method)
+    def wrapped(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with config.eager_within(self.run_eagerly):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class Trainer:
     """Keras-style training on a strategy: `fit`, `evaluate`, `predict`.
 
@@ -274,6 +285,10 @@ class Trainer:
             of its last, as in Keras. `evaluate` (and fit's validation) runs K steps per
             program too; `predict` runs one per program (its outputs go to the host every
             batch; Keras runs K there as well).
+        run_eagerly: Keras' argument: `fit`, `evaluate` and `predict` run their steps op by
+            op, not compiled (`mirrored.config.run_functions_eagerly` for this trainer), for
+            debugging with `print` and `breakpoint()` inside the loss or model; the same
+            numbers, much slower.
 
     Example:
         >>> with strategy.scope():
@@ -299,7 +314,14 @@ class Trainer:
         gradient_accumulation_steps: int = 1,
         rngs: nnx.Rngs | None = None,
         steps_per_execution: int = 1,
+        run_eagerly: bool = False,
     ) -> None:
+        if not isinstance(run_eagerly, bool):
+            raise TypeError(
+                f"Expected run_eagerly to be True or False; found {run_eagerly!r}. Fix: "
+                "Trainer(..., run_eagerly=True) to debug the step op by op."
+            )
+        self.run_eagerly = run_eagerly
         if (
             not isinstance(steps_per_execution, int)
             or isinstance(steps_per_execution, bool)
@@ -504,6 +526,7 @@ class Trainer:
 
     # -- fit ---------------------------------------------------------------------------------------
 
+    @_eager_when_asked
     def fit(
         self,
         x: Any = None,
@@ -824,6 +847,7 @@ class Trainer:
         callbacks.on_test_end(logs)
         return {prefix + name: value for name, value in logs.items()}
 
+    @_eager_when_asked
     def evaluate(
         self,
         x: Any = None,
@@ -860,6 +884,7 @@ class Trainer:
         )
         return self._run_eval(dataset, callback_list)
 
+    @_eager_when_asked
     def predict(
         self,
         x: Any,

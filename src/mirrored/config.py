@@ -25,12 +25,21 @@ host), so K batches need no copy from the host, when they take at most
 `device_data_bytes()` per device:
 `DEVICE_DATA_BYTES` (1 GiB) unless `MIRRORED_DEVICE_DATA_BYTES` says otherwise (`0`: always
 from the host, one copy per step).
+
+**Eager execution, for debugging.** `run_functions_eagerly(True)` (TensorFlow's
+`tf.config.run_functions_eagerly`) makes `strategy.run`, `run_steps` and `Trainer.fit` /
+`evaluate` / `predict` run the step op by op on the strategy's devices, without compiling it:
+`print` shows each replica's value, `breakpoint()` stops inside the step, and Python `if` works
+on values that are the same on every replica. The numbers are the compiled mode's.
+`Trainer(..., run_eagerly=True)` does the same for one trainer (Keras' `compile` argument).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import jax
 
@@ -38,6 +47,8 @@ __all__ = [
     "compilation_cache_dir",
     "default_cache_dir",
     "device_data_bytes",
+    "functions_run_eagerly",
+    "run_functions_eagerly",
     "set_compilation_cache",
 ]
 
@@ -49,6 +60,60 @@ DEVICE_DATA_BYTES = 2**30
 MAX_CACHE_BYTES = 4 * 2**30
 _OFF = frozenset({"", "0", "off", "false", "no", "none"})
 _decided = False  # set once mirrored or the user has chosen the cache for this process
+
+
+_eager = False  # run_functions_eagerly's setting
+_eager_within = 0  # Trainer(run_eagerly=True) is running one of its loops
+_eager_warned = False
+
+
+def run_functions_eagerly(run_eagerly: bool) -> None:
+    """Run every step op by op (True) or compiled (False, the default), as TensorFlow's
+    `tf.config.run_functions_eagerly`: for debugging with `print` and `breakpoint()`.
+
+    Example:
+        >>> mirrored.config.run_functions_eagerly(True)
+        >>> strategy.run(train_step, args=(model, optimizer, x, y))   # print() shows replicas
+        >>> mirrored.config.run_functions_eagerly(False)
+    """
+    global _eager, _eager_warned
+    if not isinstance(run_eagerly, bool):
+        raise TypeError(
+            f"Expected run_eagerly to be True or False; found {run_eagerly!r}. Fix: "
+            "mirrored.config.run_functions_eagerly(True)."
+        )
+    _eager = run_eagerly
+    _eager_warned = _eager_warned and run_eagerly  # warn again after the next switch on
+
+
+def functions_run_eagerly() -> bool:
+    """Whether steps run op by op (`run_functions_eagerly(True)`, or inside a
+    `Trainer(run_eagerly=True)` loop)."""
+    return _eager or _eager_within > 0
+
+
+@contextlib.contextmanager
+def eager_within(enabled: bool) -> Iterator[None]:
+    """Inside: steps run eagerly when `enabled` (Trainer's and Keras' `run_eagerly`)."""
+    global _eager_within
+    _eager_within += enabled
+    try:
+        yield
+    finally:
+        _eager_within -= enabled
+
+
+def warn_eager_once() -> None:
+    """TensorFlow's warning: eager steps are slow; how to turn them off."""
+    global _eager_warned
+    if _eager_warned:
+        return
+    _eager_warned = True
+    logger.warning(
+        "Running steps eagerly (op by op, not compiled): for debugging only, it is much "
+        "slower. Turn it off with mirrored.config.run_functions_eagerly(False) (or "
+        "Trainer(..., run_eagerly=False))."
+    )
 
 
 def device_data_bytes() -> int:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from mirrored import _context, _input, _run
+from mirrored import _context, _input, _run, config
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._prefetch import Prefetcher
 from mirrored.keras import _bridge
@@ -82,7 +82,9 @@ class _Step:
         """One step on a batch already placed (`self.place`) on the devices."""
         self.bridge.pull([x for group in state for x in group])
         # The runner's own call: this step's Keras state is explicit already (no bridge).
-        outputs = self.strategy._runner.call(self.traced, (self.bridge.holder, batch), {})
+        # compile(run_eagerly=True): the step op by op, as mirrored.config's eager mode.
+        with config.eager_within(bool(self.model.run_eagerly)):
+            outputs = self.strategy._runner.call(self.traced, (self.bridge.holder, batch), {})
         if self.kind == "predict":
             outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
         values = self.bridge.values()
