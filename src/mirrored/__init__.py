@@ -20,7 +20,7 @@ from mirrored._multiworker import (
 )
 from mirrored._platform import simulate_cpu_devices
 from mirrored._profile import ProfileReport, profile
-from mirrored._run import PeerFailureError
+from mirrored._run import PeerFailureError, PythonBranchError
 from mirrored._strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -54,6 +54,7 @@ __all__ = [
     "PeerFailureError",
     "PerReplica",
     "ProfileReport",
+    "PythonBranchError",
     "ReduceOp",
     "ReplicaContext",
     "Report",
