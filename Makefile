@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/flax_tutorial.py
 	$(BIN)/python benchmarks/keras_models.py
 	$(BIN)/python benchmarks/time_to_first_step.py
+	$(BIN)/python benchmarks/debugging.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

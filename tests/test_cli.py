@@ -144,6 +144,19 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
         ["time_to_first_step.py", "--models", "seed_mlp", "--scripts", "run", "--repeats", "1"],
         ["gpu_checks.py", "--allow-cpu"],  # benchmarks/gpu.sh's checks, on 8 CPU devices
+        [
+            "debugging.py",
+            "--devices",
+            "2",
+            "--steps",
+            "3",
+            "--eager-steps",
+            "1",
+            "--repeats",
+            "1",
+            "--models",
+            "seed_mlp",
+        ],
     ],
     ids=lambda s: s[0],
 )

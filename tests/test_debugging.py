@@ -256,26 +256,27 @@ def test_check_numerics_reports_the_step_replica_and_parameter_and_keeps_the_sta
         iterator = iter(strategy.experimental_distribute_dataset(batches))
         for _ in range(3):
             strategy.run(train_step, args=(model, optimizer, *next(iterator)))
-        before = _snapshot(model, optimizer)
+        before = _snapshot(model, optimizer)  # before step 3
         with pytest.raises(mirrored.debug.NonFiniteError) as info:
-            strategy.run(train_step, args=(model, optimizer, *next(iterator)))
+            # Compiled, the flags are read two steps behind (the devices never wait for the
+            # host); at the latest, reading a value through the strategy raises.
+            loss = strategy.run(train_step, args=(model, optimizer, *next(iterator)))
+            loss = strategy.run(train_step, args=(model, optimizer, *next(iterator)))
+            strategy.reduce("SUM", loss, axis=None)
     finally:
         mirrored.config.run_functions_eagerly(False)
     error = info.value
     assert error.step == 3 and error.replicas == [2] and error.batch_replicas == [2]
     assert error.stage == "outputs"  # the loss of replica 2, before any all-reduce
-    assert error.parameter in {"hidden.kernel", "hidden.bias", "out.kernel", "out.bias"}
-    assert set(error.paths["gradients"]) == {
-        "hidden.kernel",
-        "hidden.bias",
-        "out.kernel",
-        "out.bias",
-    }
+    grads = {"hidden.kernel", "hidden.bias", "out.kernel", "out.bias"}
+    assert error.parameter in grads and set(error.paths["gradients"]) == grads
     assert "step 3 of 'train_step'" in str(error) and "replica(s) [2]" in str(error)
     assert "Fix:" in str(error)
-    assert _same(_snapshot(model, optimizer), before)  # the step was not applied
+    # Neither step 3 nor the one dispatched after it changed the model or the optimizer.
+    assert _same(_snapshot(model, optimizer), before)
     # The next, finite, step trains from there.
-    strategy.run(train_step, args=(model, optimizer, *next(iterator)))
+    (x, y) = next(iter(strategy.experimental_distribute_dataset(BATCHES[:1])))
+    strategy.reduce("SUM", strategy.run(train_step, args=(model, optimizer, x, y)), axis=None)
     assert not _same(_snapshot(model, optimizer), before)
 
 
@@ -286,10 +287,12 @@ def test_check_numerics_inside_run_steps_stops_the_state_at_the_bad_step(checkin
     model, optimizer = _state(strategy, lambda: optax.sgd(0.1))
     iterator = iter(strategy.experimental_distribute_dataset(batches))
     strategy.run_steps(train_step, iterator, steps=2, args=(model, optimizer))  # steps 0, 1
-    with pytest.raises(mirrored.debug.NonFiniteError) as info:  # steps 2, 3 (NaN), in one
-        strategy.run_steps(train_step, iterator, steps=2, args=(model, optimizer))
+    with pytest.raises(mirrored.debug.NonFiniteError) as info:  # steps 2, 3 (NaN), 4
+        out = strategy.run_steps(train_step, iterator, steps=3, args=(model, optimizer))
+        strategy.reduce("SUM", out, axis=None)
     assert info.value.step == 3 and info.value.replicas == [5]
-    assert _max_diff(params_of(model), clean) == 0.0  # step 2 applied, step 3 not
+    assert "the 1 step(s) dispatched after it" in str(info.value)
+    assert _max_diff(params_of(model), clean) == 0.0  # step 2 applied, steps 3 and 4 not
 
 
 def _sqrt_of_zero_step(model, optimizer, x, y):
@@ -309,8 +312,11 @@ def test_check_numerics_names_the_gradient_when_the_loss_is_finite(checking):
     model, optimizer = _state(strategy, lambda: optax.sgd(0.1))
     (x, y) = next(iter(strategy.experimental_distribute_dataset(BATCHES[:1])))
     before = _snapshot(model, optimizer)
+    loss = strategy.run(_sqrt_of_zero_step, args=(model, optimizer, x, y))
     with pytest.raises(mirrored.debug.NonFiniteError) as info:
-        strategy.run(_sqrt_of_zero_step, args=(model, optimizer, x, y))
+        mirrored.debug.disable_check_numerics()  # raises for the steps not looked at yet
+    assert not mirrored.debug.check_numerics_enabled()
+    assert np.isfinite(float(strategy.reduce("SUM", loss, axis=None)))  # the loss is finite
     error = info.value
     assert error.stage == "gradients" and error.replicas == list(range(8))
     assert error.path == error.parameter and error.path in error.paths["gradients"]

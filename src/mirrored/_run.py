@@ -7,6 +7,7 @@ arrays back. Tracing, graph surgery and validation of the program happen once pe
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -14,6 +15,7 @@ import functools
 import inspect
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -178,6 +180,7 @@ class _Program:
     check_layout: tuple[tuple[str, str], ...] = ()
     name: str = ""
     fn_key: Any = None  # counts the steps of one step function
+    eager: bool = False
     any_masked: bool = dataclasses.field(init=False)  # read every step
 
     def __post_init__(self) -> None:
@@ -201,6 +204,12 @@ class Runner:
         self._logged = False
         self._eager_traced: set[Any] = set()  # step functions run eagerly at least once
         self._steps_run: dict[Any, int] = {}  # per step function, under check_numerics
+        # check_numerics: a mirrored flag, set by the first non-finite step, after which the
+        # checked programs change nothing; and the flags not yet looked at (checked with the
+        # dispatch bound's lag, so the devices never wait for the host).
+        self._failed: jax.Array | None = None
+        self._pending: collections.deque[tuple[_Program, jax.Array]] = collections.deque()
+        _CHECKING_RUNNERS.add(self)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -472,7 +481,8 @@ class Runner:
         """The program `run(fn, args, kwargs)` executes, traced and lowered (nothing runs)."""
         fn, args = _state_as_arguments(fn, args)
         program, sorted_ = self._program_for(fn, args, kwargs)
-        return program.call.lower(sorted_.state, *sorted_.with_mask())  # type: ignore[attr-defined]
+        state = [*sorted_.state, self._latch()] if program.checked else sorted_.state
+        return program.call.lower(state, *sorted_.with_mask())  # type: ignore[attr-defined]
 
     def compiled_text(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
@@ -502,8 +512,11 @@ class Runner:
             fn, args, kwargs, leaves, treedef, kinds, sorted_, masked, steps, inputs, eager=True
         )
         split, rep = sorted_.with_mask() if inputs is None else inputs
+        state = sorted_.state
+        if debug.check_numerics_enabled():
+            state = [*state, self._latch()]
         with _cached_eager_primitives(), jax.disable_jit():
-            program = run(sorted_.state, split, rep)
+            program = run(state, split, rep)
         guard = _fastpath.Guard.unguarded(program, sorted_.unique)
         return self._call(program, guard, sorted_.state, split, rep)
 
@@ -516,14 +529,20 @@ class Runner:
         rep: list[Any],
     ) -> Any:
         with peer_failures():
-            new_state, outs, token = program.call(state, split, rep)
+            if program.checked:  # the latch goes in and out with the state
+                new_state, outs, token = program.call([*state, self._latch()], split, rep)
+                *new_state, self._failed = new_state
+                *outs, flags = outs
+            else:
+                new_state, outs, token = program.call(state, split, rep)
             for variable, value in zip(guard.unique, new_state, strict=True):
                 _write(variable, value)
             guard.written = new_state
             self._bound_dispatch(token)
-            if program.checked:  # the state is the old one when a value was not finite
-                *outs, flags = outs
-                self._check_finite(program, flags)
+            if program.checked:
+                flags.copy_to_host_async()  # on the host by the time it is looked at
+                self._pending.append((program, flags))
+                self.check_pending(keep=0 if program.eager else self._max_in_flight)
         n = self._n
         # Outputs per example of a padded batch carry its mask (a masked program takes it last).
         mask, count = (split[-1], rep[-1]) if program.any_masked else (None, None)
@@ -545,20 +564,35 @@ class Runner:
             ],
         )
 
-    def _check_finite(self, program: _Program, flags: jax.Array) -> None:
-        """Raise `NonFiniteError` for the first step whose checked values were not all
-        finite (one small transfer per step: the flags)."""
-        found = np.asarray(flags)
-        if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, flags)
-            found = found[:, None, :]
-        first = self._steps_run.get(program.fn_key, 0)
-        self._steps_run[program.fn_key] = first + found.shape[1]
-        inputs, values = found[:, :, : program.check_inputs], found[:, :, program.check_inputs :]
-        good = values.all(axis=(0, 2))
-        if good.all():
-            return
-        k = int(np.argmin(good))
-        raise _non_finite_error(program, first + k, ~values[:, k], ~inputs[:, k])
+    def _latch(self) -> jax.Array:
+        if self._failed is None:
+            self._failed = jax.device_put(np.zeros((), bool), self._strategy._replicated)
+        return self._failed
+
+    def check_pending(self, keep: int = 0) -> None:
+        """Look at the finite flags of all but the newest `keep` checked steps; raise
+        `NonFiniteError` for the first step whose values were not all finite."""
+        while len(self._pending) > keep:
+            program, flags = self._pending.popleft()
+            found = np.asarray(flags)  # this step is done: the dispatch bound waited for it
+            if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, _)
+                found = found[:, None, :]
+            first = self._steps_run.get(program.fn_key, 0)
+            self._steps_run[program.fn_key] = first + found.shape[1]
+            inputs = found[:, :, : program.check_inputs]
+            values = found[:, :, program.check_inputs :]
+            good = values.all(axis=(0, 2))
+            if good.all():
+                continue
+            k = int(np.argmin(good))
+            # The steps dispatched after it changed nothing (the latch); from now on they
+            # train again, from the state before the failed step.
+            later = sum(int(np.shape(f)[1]) if np.ndim(f) == 3 else 1 for _, f in self._pending) + (
+                found.shape[1] - k - 1
+            )
+            self._pending.clear()
+            self._failed = None
+            raise _non_finite_error(program, first + k, ~values[:, k], ~inputs[:, k], later)
 
     def _own_buffers(self, state: list[jax.Array]) -> list[jax.Array]:
         """The state with every array held once: a donated buffer must have one owner.
@@ -702,6 +736,9 @@ class Runner:
             return new_state, out, flags
 
         def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+            failed = None
+            if checking:  # the latch: set, the step changes nothing
+                state, failed = state[:-1], state[-1]
             mask = count = None
             if masked:
                 mask, count = split[-1], rep[-1]
@@ -711,7 +748,7 @@ class Runner:
                     state, split, rep, mask, count, expand is None and not quiet
                 )
                 if checking:  # a non-finite value on any replica: every replica keeps its state
-                    new_state = _unless_non_finite(flags, new_state, state, False)[0]
+                    new_state, failed = _unless_non_finite(flags, new_state, state, failed)
                 rows = None if mask is None else mask.shape[0]
             else:  # `run_steps`: the batches (and masks, counts) stacked on a leading step axis
 
@@ -725,8 +762,10 @@ class Runner:
                         new, failed = _unless_non_finite(flags, new, state_k, failed)
                     return (new, failed), (jax.tree.map(jnp.asarray, out), flags)
 
-                (new_state, _), (out, flags) = jax.lax.scan(
-                    scan_step, (list(state), jnp.zeros((), bool)), (split, mask, count)
+                (new_state, failed), (out, flags) = jax.lax.scan(
+                    scan_step,
+                    (list(state), jnp.zeros((), bool) if failed is None else failed),
+                    (split, mask, count),
                 )
                 rows = None  # outputs are stacked by step, not by example
             out_leaves, out_treedef = jax.tree.flatten(out)
@@ -740,8 +779,9 @@ class Runner:
             # The first trace has no layout yet: give every output a replica axis.
             expand = (True,) * len(out_leaves) if expand is None else expand
             outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
-            if checking:  # the flags, an extra last output, per replica
+            if checking:  # the flags, an extra last output, per replica; the latch
                 outs.append(jnp.concatenate(flags, axis=-1)[None])
+                new_state = [*new_state, failed]
             return new_state, outs, jnp.zeros((), jnp.int32)
 
         # K steps: every split input carries the step on its leading axis, the batch on the next.
@@ -766,6 +806,7 @@ class Runner:
                 "check_layout": tuple(layout),
                 "name": fn_name,
                 "fn_key": _fn_key(fn),
+                "eager": eager,
             }
 
         if eager:
@@ -788,7 +829,7 @@ class Runner:
                 )
 
             return run
-        state = sorted_.state
+        state = [*sorted_.state, self._latch()] if checking else sorted_.state
         split, rep = sorted_.with_mask() if inputs is None else inputs
         # First trace: learn which outputs differ between replicas, to choose their specs.
         jax.eval_shape(program(None, SPLIT), state, split, rep)
@@ -953,6 +994,25 @@ class _CachingJit:
 
 
 _EAGER_JIT: list[_CachingJit] = []
+_CHECKING_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+def check_all_pending() -> None:
+    """Every runner's checked steps not looked at yet (`disable_check_numerics`)."""
+    for runner in list(_CHECKING_RUNNERS):
+        runner.check_pending()
+
+
+@atexit.register
+def _report_pending_at_exit() -> None:
+    """A program that ends right after a non-finite step still hears of it."""
+    for runner in list(_CHECKING_RUNNERS):
+        try:
+            runner.check_pending()
+        except debug.NonFiniteError as error:
+            logger.error("check_numerics, at exit: %s", error)
+        except Exception:  # the runtime may be shutting down; nothing to report then
+            return
 
 
 @contextlib.contextmanager
@@ -1093,7 +1153,7 @@ def _select(failed: Any, old: Any, new: Any) -> Any:
 
 
 def _non_finite_error(
-    program: _Program, step: int, bad: np.ndarray, bad_batch: np.ndarray
+    program: _Program, step: int, bad: np.ndarray, bad_batch: np.ndarray, later: int
 ) -> debug.NonFiniteError:
     """The error for a step whose values `bad` (replicas × checked values) were not finite."""
     layout = program.check_layout
@@ -1139,7 +1199,13 @@ def _non_finite_error(
             f"{w}: {', '.join(names[:4])}{' …' if len(names) > 4 else ''}"
             for w, names in paths.items()
         )
-        + ". The step was not applied: the model and optimizer are as they were before it.\n"
+        + ". The step was not applied: the model and optimizer are as they were before it"
+        + (
+            f" (the {later} step(s) dispatched after it, asynchronously, changed nothing)"
+            if later
+            else ""
+        )
+        + ".\n"
         "Fix: look for NaN/inf in the input data (the batch), a log or sqrt of 0, or a "
         "division by 0 in the loss; lower the learning rate or clip gradients "
         "(Trainer(global_clipnorm=1.0), optax.clip_by_global_norm); for float16, loss "

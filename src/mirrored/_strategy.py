@@ -313,6 +313,7 @@ class Strategy:
         Example:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
+        self._runner.check_pending()  # check_numerics: raised before the value is read
         op = ReduceOp.parse(reduce_op)
 
         def one(v: Any) -> jax.Array:
@@ -336,6 +337,7 @@ class Strategy:
         On a padded batch (or `run`'s per-example outputs over one), `axis=0` keeps the real
         rows only, in order: the global batch as the dataset yielded it.
         """
+        self._runner.check_pending()  # check_numerics: raised before the value is read
 
         def one(v: Any) -> jax.Array:
             stacked = self._stacked(v)
@@ -363,6 +365,7 @@ class Strategy:
         A padded batch shows each replica's real rows only (as TensorFlow's unevenly split
         last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
         """
+        self._runner.check_pending()  # check_numerics: raised before the value is read
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         n = sum(1 for d in self._extended.worker_devices if d.process_index == jax.process_index())
         with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh

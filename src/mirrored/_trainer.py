@@ -510,6 +510,7 @@ class Trainer:
             return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
 
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
+        self.strategy._runner.check_pending()  # check_numerics: the steps behind these sums
         *sums, count, weight = self._sums(totals)
         weighted_from = 1 + len(self.metrics)
         logs = {
@@ -919,6 +920,7 @@ class Trainer:
             if per_step:  # the batch's outputs on the host, real rows only (a sync per batch)
                 callback_list.on_predict_batch_end(step, {"outputs": self._host_rows(out)})
         callback_list.on_predict_end({})
+        self.strategy._runner.check_pending()
         rows = [self._host_rows(out) for out in outputs]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
 

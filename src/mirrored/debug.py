@@ -3,9 +3,13 @@
 `enable_check_numerics()` makes every `strategy.run` / `run_steps` step (and so `Trainer.fit`)
 check, inside its compiled program, that its outputs (the loss), the gradients it hands to
 `nnx.Optimizer.update` and the state it writes back are finite: one fused reduction per step
-and one small transfer, no host sync per tensor. On the first non-finite value the step's
-update is dropped (the model and optimizer stay as they were before it) and `NonFiniteError`
-says the step, the replica(s) where it appeared and the first offending parameter.
+and one small transfer, no host sync (the flags are read with the dispatch bound's lag of two
+steps). On the first non-finite value the step's update is dropped, and so are those of the
+steps dispatched after it (the model and optimizer stay as they were before it), and
+`NonFiniteError` says the step, the replica(s) where it appeared and the first offending
+parameter. It is raised by the call two steps later, by the next `strategy.reduce`, `gather`
+or `experimental_local_results`, at the end of a `fit` epoch, `evaluate` or `predict`, or by
+`disable_check_numerics()`, whichever comes first.
 
 Example:
     >>> mirrored.debug.enable_check_numerics()
@@ -38,9 +42,13 @@ def enable_check_numerics() -> None:
 
 
 def disable_check_numerics() -> None:
-    """Stop checking (the unchecked programs are used again)."""
+    """Stop checking (the unchecked programs are used again); first raise for any checked
+    step not looked at yet."""
     global _enabled
     _enabled = False
+    from mirrored import _run
+
+    _run.check_all_pending()
 
 
 def check_numerics_enabled() -> bool:
