@@ -64,9 +64,11 @@ def main() -> None:
         mirrored.debug.enable_check_numerics()
         checked = rate(steps, 5)
         mirrored.debug.disable_check_numerics()
-        mirrored.config.run_functions_eagerly(True)
-        eager = rate(args.eager_steps, 2)
-        mirrored.config.run_functions_eagerly(False)
+        eager = float("nan")  # --eager-steps 0: not measured
+        if args.eager_steps:
+            mirrored.config.run_functions_eagerly(True)
+            eager = rate(args.eager_steps, 2)
+            mirrored.config.run_functions_eagerly(False)
         row = {
             "model": name,
             "devices": n,

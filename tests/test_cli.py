@@ -151,7 +151,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "--steps",
             "3",
             "--eager-steps",
-            "1",
+            "0",  # eager steps: tests/test_debugging.py
             "--repeats",
             "1",
             "--models",

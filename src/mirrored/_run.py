@@ -180,6 +180,7 @@ class _Program:
     check_layout: tuple[tuple[str, str], ...] = ()
     name: str = ""
     fn_key: Any = None  # counts the steps of one step function
+    steps: int = 1  # per call
     eager: bool = False
     any_masked: bool = dataclasses.field(init=False)  # read every step
 
@@ -203,12 +204,12 @@ class Runner:
         self._donate = donate
         self._logged = False
         self._eager_traced: set[Any] = set()  # step functions run eagerly at least once
-        self._steps_run: dict[Any, int] = {}  # per step function, under check_numerics
+        self._steps_run: dict[Any, int] = {}  # steps run, per step function
         # check_numerics: a mirrored flag, set by the first non-finite step, after which the
         # checked programs change nothing; and the flags not yet looked at (checked with the
         # dispatch bound's lag, so the devices never wait for the host).
         self._failed: jax.Array | None = None
-        self._pending: collections.deque[tuple[_Program, jax.Array]] = collections.deque()
+        self._pending: collections.deque[tuple[_Program, jax.Array, int]] = collections.deque()
         _CHECKING_RUNNERS.add(self)
 
     # -- validation ---------------------------------------------------------------------------
@@ -539,9 +540,11 @@ class Runner:
                 _write(variable, value)
             guard.written = new_state
             self._bound_dispatch(token)
+            first = self._steps_run.get(program.fn_key, 0)  # this call's first step
+            self._steps_run[program.fn_key] = first + program.steps
             if program.checked:
                 flags.copy_to_host_async()  # on the host by the time it is looked at
-                self._pending.append((program, flags))
+                self._pending.append((program, flags, first))
                 self.check_pending(keep=0 if program.eager else self._max_in_flight)
         n = self._n
         # Outputs per example of a padded batch carry its mask (a masked program takes it last).
@@ -573,12 +576,10 @@ class Runner:
         """Look at the finite flags of all but the newest `keep` checked steps; raise
         `NonFiniteError` for the first step whose values were not all finite."""
         while len(self._pending) > keep:
-            program, flags = self._pending.popleft()
+            program, flags, first = self._pending.popleft()
             found = np.asarray(flags)  # this step is done: the dispatch bound waited for it
             if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, _)
                 found = found[:, None, :]
-            first = self._steps_run.get(program.fn_key, 0)
-            self._steps_run[program.fn_key] = first + found.shape[1]
             inputs = found[:, :, : program.check_inputs]
             values = found[:, :, program.check_inputs :]
             good = values.all(axis=(0, 2))
@@ -587,9 +588,7 @@ class Runner:
             k = int(np.argmin(good))
             # The steps dispatched after it changed nothing (the latch); from now on they
             # train again, from the state before the failed step.
-            later = sum(int(np.shape(f)[1]) if np.ndim(f) == 3 else 1 for _, f in self._pending) + (
-                found.shape[1] - k - 1
-            )
+            later = sum(p.steps for p, _, _ in self._pending) + found.shape[1] - k - 1
             self._pending.clear()
             self._failed = None
             raise _non_finite_error(program, first + k, ~values[:, k], ~inputs[:, k], later)
@@ -797,17 +796,11 @@ class Runner:
             )
 
         def checked_fields() -> dict[str, Any]:
-            if not checking:
-                return {}
-            inputs, layout = recorded["check"]
-            return {
-                "checked": True,
-                "check_inputs": inputs,
-                "check_layout": tuple(layout),
-                "name": fn_name,
-                "fn_key": _fn_key(fn),
-                "eager": eager,
-            }
+            fields = {"fn_key": _fn_key(fn), "steps": steps or 1, "eager": eager, "name": fn_name}
+            if checking:
+                inputs, layout = recorded["check"]
+                fields.update(checked=True, check_inputs=inputs, check_layout=tuple(layout))
+            return fields
 
         if eager:
 

@@ -58,13 +58,16 @@ def check_numerics_enabled() -> bool:
 class NonFiniteError(FloatingPointError):
     """A step produced NaN or infinity; its update was not applied.
 
-    Attributes: `step` (the step function's step, counting from 0 since this strategy first
-    ran it), `replicas` (where the first non-finite value appeared), `stage` (`"outputs"`,
-    `"gradients"` or `"state"`: the first of them holding one), `path` (the first offending
-    leaf of that stage), `parameter` (the first parameter it reached: its gradient, e.g.
-    `"hidden.kernel"`, else its new value, e.g. `"model.hidden.kernel"`), `paths` (every
-    offending leaf, by stage) and `batch_replicas` (replicas whose batch itself held
-    non-finite values).
+    Attributes:
+        step: the step function's step, counting from 0 from its first call on this
+            strategy, checked or not.
+        replicas: where the first non-finite value appeared.
+        stage: `"outputs"`, `"gradients"` or `"state"`, the first of them holding one.
+        path: the first offending leaf of that stage.
+        parameter: the first parameter it reached: its gradient (`"hidden.kernel"`), else
+            its new value (`"model.hidden.kernel"`).
+        paths: every offending leaf, by stage.
+        batch_replicas: replicas whose batch itself held non-finite values.
     """
 
     def __init__(
