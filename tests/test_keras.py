@@ -454,3 +454,40 @@ def test_fit_with_batches_placed_ahead_as_on_accelerators_gives_the_same_numbers
     assert _max_diff(model.get_weights(), weights) <= 1e-5
     assert ours["loss"] == pytest.approx(history["loss"], abs=1e-5)
     assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+
+
+def test_compile_run_eagerly_runs_the_step_op_by_op_with_the_same_numbers(devices, capsys):
+    """Keras' `compile(run_eagerly=True)` under the scope: mirrored's step runs eagerly (as
+    `mirrored.config.run_functions_eagerly`), so a print in the model shows each replica."""
+
+    class Printing(keras.layers.Layer):
+        def call(self, x):
+            print("activations:", x[:, 0])
+            return x
+
+    strategy = mirrored.MirroredStrategy(devices)
+    results = []
+    for run_eagerly in (False, True):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((20,)), keras.layers.Dense(16), Printing(), keras.layers.Dense(10)]
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                run_eagerly=run_eagerly,
+            )
+        history = model.fit(X[:200], Y[:200], batch_size=64, epochs=1, shuffle=False, verbose=0)
+        capsys.readouterr()
+        predicted = model.predict(X[:64], batch_size=64, verbose=0)
+        results.append((model.get_weights(), history.history["loss"], predicted))
+        results[-1] += (capsys.readouterr().out,)
+    (compiled, loss, p1, traced), (eager, eager_loss, p2, printed) = results
+    assert _max_diff(eager, compiled) <= 1e-6
+    assert eager_loss == pytest.approx(loss, abs=1e-6)
+    np.testing.assert_allclose(p2, p1, atol=1e-5)
+    # predict (outside any gradient, where values are JAX's differentiation tracers):
+    assert "at mesh coordinates (replica,) = (7,)" in printed  # every replica's values
+    assert "mesh coordinates" not in traced  # compiled: a tracer, at trace time only
+    assert not mirrored.config.functions_run_eagerly()
