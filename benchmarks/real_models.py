@@ -2,9 +2,11 @@
 
 Each model, its optimizer and its training step come from its script in examples/, unchanged.
 Both loops train it on the same pre-staged device batches, in the same process, with the same
-in-flight bound (2 steps), dropout on. Prints JSON; ratio = mirrored / plain JAX.
+in-flight bound (2 steps), dropout on. Prints JSON; ratio = mirrored / plain JAX; and
+`run_steps` (K steps per program, `--steps-per-execution`) against the same plain-JAX loop.
 
-    python benchmarks/real_models.py [--devices 8] [--steps 30] [--repeats 3]
+    python benchmarks/real_models.py [--devices 8] [--steps 32] [--repeats 3]
+                                     [--steps-per-execution 32]
 
 To add a model: a function that builds its `Workload` from its example module, and a line in
 `MODELS`.
@@ -162,11 +164,14 @@ def plain_jax_step(devices: list[Any], workload: Workload) -> tuple[Callable, di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps-per-execution", type=int, default=32)
     args = parser.parse_args()
     mirrored.simulate_cpu_devices(args.devices)
+
+    import itertools
 
     import jax
     from _models import run_bounded, timed
@@ -217,12 +222,33 @@ def main() -> None:
                     loss = strategy.run(train_step, args=(model, optimizer, x, y))
                 return loss.global_value
 
-            plain_t, ours_t = [], []
+            cycled = itertools.cycle(dist)  # the same placed batches, K per program
+
+            def run_scanned(
+                k: int,
+                model=model,
+                optimizer=optimizer,
+                cycled=cycled,
+                strategy=strategy,
+                train_step=workload.train_step,
+                every=args.steps_per_execution,
+            ) -> object:
+                losses: Any = None
+                for start in range(0, k, every):
+                    losses = strategy.run_steps(
+                        train_step, cycled, steps=min(every, k - start), args=(model, optimizer)
+                    )
+                return losses.global_value
+
+            plain_t, ours_t, scanned_t = [], [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both alike
                 plain_t.append(timed(run_plain, args.steps, warmup=3))
                 ours_t.append(timed(run_mirrored, args.steps, warmup=3))
+                warmup = min(args.steps_per_execution, args.steps)  # compiles the K-step program
+                scanned_t.append(timed(run_scanned, args.steps, warmup=warmup))
             plain_eps = args.steps * batch / statistics.median(plain_t)
             ours_eps = args.steps * batch / statistics.median(ours_t)
+            scanned_eps = args.steps * batch / statistics.median(scanned_t)
             row = {
                 "model": name,
                 "parameters": sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))),
@@ -231,6 +257,9 @@ def main() -> None:
                 "plain_jax_examples_per_s": round(plain_eps, 1),
                 "mirrored_run_examples_per_s": round(ours_eps, 1),
                 "ratio": round(ours_eps / plain_eps, 3),
+                "steps_per_execution": args.steps_per_execution,
+                "mirrored_run_steps_examples_per_s": round(scanned_eps, 1),
+                "run_steps_ratio": round(scanned_eps / plain_eps, 3),
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

@@ -135,6 +135,8 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "1",
             "--steps",
             "2",
+            "--steps-per-execution",
+            "2",
             "--repeats",
             "1",
             "--models",

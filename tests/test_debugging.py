@@ -68,19 +68,24 @@ def _max_diff(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
-@pytest.mark.parametrize("replicas", [8, 1])
-@pytest.mark.parametrize("make_tx", [lambda: optax.sgd(0.1), lambda: optax.adam(0.01)])
+@pytest.mark.parametrize(
+    ("replicas", "make_tx"),
+    [(8, lambda: optax.sgd(0.1)), (8, lambda: optax.adam(0.01)), (1, lambda: optax.adam(0.01))],
+    ids=["sgd-8", "adam-8", "adam-1"],
+)
 def test_eager_steps_equal_compiled_steps_ragged_last_batch_included(replicas, make_tx):
     compiled, compiled_losses, _ = _train(replicas, make_tx)
     mirrored.config.run_functions_eagerly(True)
     try:
         assert mirrored.config.functions_run_eagerly()
         eager, eager_losses, _ = _train(replicas, make_tx)
-        eager_scanned, _, _ = _train(replicas, make_tx, steps_per_program=2)  # run_steps
+        if replicas == 8:  # run_steps too
+            scanned, _, _ = _train(replicas, make_tx, steps_per_program=2)
+            assert _max_diff(scanned, compiled) <= 1e-6
     finally:
         mirrored.config.run_functions_eagerly(False)
     assert not mirrored.config.functions_run_eagerly()
-    assert _max_diff(eager, compiled) <= 1e-6 and _max_diff(eager_scanned, compiled) <= 1e-6
+    assert _max_diff(eager, compiled) <= 1e-6
     np.testing.assert_allclose(eager_losses, compiled_losses, rtol=0, atol=1e-6)
 
 
@@ -215,7 +220,7 @@ def test_trainer_run_eagerly_gives_fits_evaluates_and_predicts_numbers():
     results = []
     for run_eagerly in (False, True):
         trainer = _trainer(run_eagerly)
-        history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0).history
+        history = trainer.fit(x, y, batch_size=64, epochs=1, verbose=0).history
         results.append((trainer, history, trainer.evaluate(x, y), trainer.predict(x)))
     (compiled, h1, e1, p1), (eager, h2, e2, p2) = results
     assert _max_diff(params_of(eager.model), params_of(compiled.model)) <= 1e-6
