@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from mirrored._verify import FAIL, INFO, PASS, WARN, Check, checks_table
+from mirrored._verify import FAIL, INFO, PASS, WARN, Check, HasChecks, checks_table
 
 COLLECTIVES = (
     "all-reduce",
@@ -47,7 +47,7 @@ INPUT_SHARE_WARNING = 0.2  # of the step: devices wait on the input pipeline
 
 
 @dataclasses.dataclass
-class ProfileReport:
+class ProfileReport(HasChecks):
     """Where the profiled steps' time went, with the verdicts and the trace's location.
 
     `steps`: per step, its wall time (s) and the fractions of it (mean over devices) in
@@ -63,16 +63,6 @@ class ProfileReport:
     devices: dict[str, float]
     collectives: list[dict[str, Any]]
     checks: list[Check]
-
-    @property
-    def ok(self) -> bool:
-        return all(c.status != FAIL for c in self.checks)
-
-    def __getitem__(self, name: str) -> Check:
-        for check in self.checks:
-            if check.name == name:
-                return check
-        raise KeyError(f"No check named {name!r}; checks: {[c.name for c in self.checks]}.")
 
     @property
     def breakdown(self) -> dict[str, float]:

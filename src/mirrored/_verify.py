@@ -44,9 +44,8 @@ class Check:
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
-class Report:
-    """Every check of one verification; `ok` when none failed."""
+class HasChecks:
+    """A report of `checks`: `ok` when none failed; `report[name]` is the check of that name."""
 
     checks: list[Check]
 
@@ -59,6 +58,13 @@ class Report:
             if check.name == name:
                 return check
         raise KeyError(f"No check named {name!r}; checks: {[c.name for c in self.checks]}.")
+
+
+@dataclasses.dataclass
+class Report(HasChecks):
+    """Every check of one verification; `ok` when none failed."""
+
+    checks: list[Check]
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "checks": [dataclasses.asdict(c) for c in self.checks]}
