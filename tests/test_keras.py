@@ -478,9 +478,9 @@ def test_compile_run_eagerly_runs_the_step_op_by_op_with_the_same_numbers(device
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 run_eagerly=run_eagerly,
             )
-        history = model.fit(X[:128], Y[:128], batch_size=64, epochs=1, shuffle=False, verbose=0)
+        history = model.fit(X[:77], Y[:77], batch_size=64, epochs=1, shuffle=False, verbose=0)
         capsys.readouterr()
-        predicted = model.predict(X[:64], batch_size=64, verbose=0)
+        predicted = model.predict(X[:32], batch_size=32, verbose=0)
         results.append((model.get_weights(), history.history["loss"], predicted))
         results[-1] += (capsys.readouterr().out,)
     (compiled, loss, p1, traced), (eager, eager_loss, p2, printed) = results
