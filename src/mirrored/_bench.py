@@ -116,7 +116,7 @@ def psum_peak(devices: list[Any], *, nbytes: int | None = None, repeats: int = 5
         return 0.0
     from jax.sharding import PartitionSpec
 
-    nbytes = nbytes or PEAK_PSUM_BYTES.get(devices[0].platform, PEAK_PSUM_BYTES["gpu"])
+    nbytes = nbytes or _psum_bytes(devices[0].platform)
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     spec = PartitionSpec("d")
     rows = nbytes // 4
@@ -131,6 +131,10 @@ def psum_peak(devices: list[Any], *, nbytes: int | None = None, repeats: int = 5
         jax.block_until_ready(total(x))
         best = min(best, time.perf_counter() - start)
     return bus_bandwidth(len(devices), rows * 4, best)
+
+
+def _psum_bytes(platform: str) -> int:
+    return PEAK_PSUM_BYTES.get(platform, PEAK_PSUM_BYTES["gpu"])
 
 
 def _psum(x: jax.Array) -> jax.Array:
@@ -222,26 +226,11 @@ def print_report(report: dict[str, Any]) -> None:
     console = Console()
     console.width = max(console.width, 118)  # ten columns: wider than a default 80
     console.print(table)
-    peaks = ", ".join(
-        f"{c}: {p / 1e9:,.0f}"
-        for c, p in zip(
-            next(iter(report["models"].values()))["replicas"],
-            report["peak_flop_per_s"],
-            strict=True,
-        )
-    )
-    buses = ", ".join(
-        f"{c}: {b / 1e9:,.1f}"
-        for c, b in zip(
-            next(iter(report["models"].values()))["replicas"],
-            report["peak_bus_bytes_per_s"],
-            strict=True,
-        )
-        if b
-    )
+    peaks = _by_replicas(report, "peak_flop_per_s", "{:,.0f}")
+    buses = _by_replicas(report, "peak_bus_bytes_per_s", "{:,.1f}")
     if buses:
         console.print(
-            f"All-reduce peak (a {PEAK_PSUM_BYTES.get(report['platform'], 0) >> 20} MiB psum "
+            f"All-reduce peak (a {_psum_bytes(report['platform']) >> 20} MiB psum "
             f"per device), bus GB/s by replicas: {buses}. The all-reduce column is the step's "
             "gradient bytes and the share of the step they take at that peak: near 100% the "
             "model is too small for this many devices (raise the per-replica batch)."
@@ -258,6 +247,15 @@ def print_report(report: dict[str, Any]) -> None:
             "Simulated CPU devices share the host's cores: these numbers test the machinery, "
             "not speed-up."
         )
+
+
+def _by_replicas(report: dict[str, Any], key: str, form: str) -> str:
+    """`report[key]` (one value per replica count, in units of 1e9) as "N: value, ...";
+    zeros (nothing measured at that count) left out."""
+    counts = next(iter(report["models"].values()))["replicas"]
+    return ", ".join(
+        f"{c}: {form.format(v / 1e9)}" for c, v in zip(counts, report[key], strict=True) if v
+    )
 
 
 def _all_reduce_cell(columns: dict[str, Any], i: int) -> str:

@@ -42,6 +42,7 @@ _BUS_FACTOR: dict[str, Callable[[int], float]] = {
 _PROFILED = "mirrored.profile"
 INPUT = "mirrored.input"
 _STEP = "mirrored.step"
+PARTS = ("compute", "collectives", "input", "idle")  # a step's time, in that order
 COLLECTIVE_SHARE_WARNING = 0.25  # of the step: the model is small for this many devices
 INPUT_SHARE_WARNING = 0.2  # of the step: devices wait on the input pipeline
 
@@ -70,7 +71,7 @@ class ProfileReport(HasChecks):
         total = sum(s["wall_s"] for s in self.steps)
         return {
             part: sum(s[part] * s["wall_s"] for s in self.steps) / total if total else 0.0
-            for part in ("compute", "collectives", "input", "idle")
+            for part in PARTS
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +96,7 @@ class ProfileReport(HasChecks):
 
         console = console or Console()
         table = Table(title="mirrored: where the time goes (per step, mean over devices)")
-        for column in ("step", "wall", "compute", "collectives", "input", "idle"):
+        for column in ("step", "wall", *PARTS):
             table.add_column(column, justify="right")
         rows = [(str(i), s) for i, s in enumerate(self.steps)]
         rows.append(("all", {"wall_s": _mean_wall(self.steps), **self.breakdown}))
@@ -103,7 +104,7 @@ class ProfileReport(HasChecks):
             table.add_row(
                 label,
                 f"{s['wall_s'] * 1e3:,.2f} ms",
-                *(f"{s[part]:.0%}" for part in ("compute", "collectives", "input", "idle")),
+                *(f"{s[part]:.0%}" for part in PARTS),
             )
         console.print(table)
         if self.collectives:
@@ -156,7 +157,8 @@ def profile(
         data: batches for the step: a dataset `experimental_distribute_dataset` takes (or one
             it made); each step calls `fn(*args, *batch)` with the next one, and the time the
             host waits for it is the step's input time.
-        steps: steps to profile, after `warmup` steps that compile the program.
+        steps: steps to profile, after `warmup` steps (default 1) that compile the program
+            and are not traced.
         logdir: where the trace goes (TensorBoard's layout: `logdir/plugins/profile/<run>/`,
             an `.xplane.pb` for TensorBoard's profile plugin and a `.trace.json.gz` for
             Perfetto).
@@ -512,7 +514,7 @@ def breakdown(
     rows = []
     for lo, hi in windows:
         wall = hi - lo
-        parts = {"compute": 0.0, "collectives": 0.0, "input": 0.0, "idle": 0.0}
+        parts = dict.fromkeys(PARTS, 0.0)
         for busy, collective in by_device.values():
             busy_here = _clip(busy, lo, hi)
             collective_here = _clip(collective, lo, hi)

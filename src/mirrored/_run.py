@@ -210,7 +210,7 @@ class Runner:
         # dispatch bound's lag, so the devices never wait for the host).
         self._failed: jax.Array | None = None
         self._pending: collections.deque[tuple[_Program, jax.Array, int]] = collections.deque()
-        _CHECKING_RUNNERS.add(self)
+        _RUNNERS.add(self)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -797,7 +797,7 @@ class Runner:
                 check_vma=True,
             )
 
-        def checked_fields() -> dict[str, Any]:
+        def program_fields() -> dict[str, Any]:
             fields = {"fn_key": _fn_key(fn), "steps": steps or 1, "eager": eager, "name": fn_name}
             if checking:
                 inputs, layout = recorded["check"]
@@ -820,7 +820,7 @@ class Runner:
                     out_treedef=out_treedef,
                     out_stacked=varying,
                     out_masked=per_example,
-                    **checked_fields(),
+                    **program_fields(),
                 )
 
             return run
@@ -848,7 +848,7 @@ class Runner:
             out_treedef=out_treedef,
             out_stacked=varying,
             out_masked=per_example,
-            **checked_fields(),
+            **program_fields(),
         )
 
     def _log_first_program(self, fn_name: str, call: Any, *inputs: Any) -> None:
@@ -999,19 +999,19 @@ class _CachingJit:
 
 
 _EAGER_JIT: list[_CachingJit] = []
-_CHECKING_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
+_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()  # every runner: for check_numerics
 
 
 def check_all_pending() -> None:
     """Every runner's checked steps not looked at yet (`disable_check_numerics`)."""
-    for runner in list(_CHECKING_RUNNERS):
+    for runner in list(_RUNNERS):
         runner.check_pending()
 
 
 @atexit.register
 def _report_pending_at_exit() -> None:
     """A program that ends right after a non-finite step still hears of it."""
-    for runner in list(_CHECKING_RUNNERS):
+    for runner in list(_RUNNERS):
         try:
             runner.check_pending()
         except debug.NonFiniteError as error:

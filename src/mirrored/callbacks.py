@@ -903,7 +903,7 @@ class TensorBoard(Callback):
             "idle %.0f%% of the step.",
             tracer.steps,
             tracer.logdir,
-            *(100 * share[part] for part in ("compute", "collectives", "input", "idle")),
+            *(100 * share[part] for part in _profile.PARTS),
         )
         for check in self.profile_report.checks:
             if check.status in ("WARN", "FAIL"):
