@@ -63,7 +63,7 @@ def test_a_decorated_step_runs_as_the_undecorated_one(name, reference):
     assert 0 <= metrics["accuracy"] <= 1
 
 
-def test_predict_and_evaluate_call_keras_hooks_once_each():
+def test_evaluate_predict_and_fits_validation_call_keras_hooks():
     calls = []
 
     class Recorder(mirrored.callbacks.Callback):
@@ -72,6 +72,12 @@ def test_predict_and_evaluate_call_keras_hooks_once_each():
 
         def on_test_end(self, logs=None):
             calls.append("test_end")
+
+        def on_test_batch_begin(self, batch, logs=None):
+            calls.append(("test_batch_begin", batch))
+
+        def on_test_batch_end(self, batch, logs=None):
+            calls.append(("test_batch_end", batch, round(logs["loss"], 4) > 0))
 
         def on_predict_begin(self, logs=None):
             calls.append("predict_begin")
@@ -88,14 +94,24 @@ def test_predict_and_evaluate_call_keras_hooks_once_each():
         trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
     trainer.evaluate(X, Y, batch_size=16, callbacks=[Recorder()])
     trainer.predict(X, batch_size=16, callbacks=[Recorder()])
-    assert calls == [
+    test_run = [
         "test_begin",
+        ("test_batch_begin", 0),
+        ("test_batch_end", 0, True),
+        ("test_batch_begin", 1),
+        ("test_batch_end", 1, True),
         "test_end",
+    ]
+    assert calls == [
+        *test_run,
         "predict_begin",
         ("predict_batch", 0, (16, 3)),
         ("predict_batch", 1, (5, 3)),  # the ragged tail: its real rows only
         "predict_end",
     ]
+    calls.clear()  # fit's validation: one test run per epoch, after its training batches
+    trainer.fit(X, Y, batch_size=16, epochs=2, validation_data=(X, Y), callbacks=[Recorder()])
+    assert calls == test_run * 2
 
 
 def test_doctor_step_imports_its_sibling_and_checks_a_dict_batch(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """mirrored.metrics: Keras' metrics, exact inside strategy.run on ragged batches (issue 14)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,3 +265,98 @@ def test_a_flax_metric_that_is_not_a_sum_is_refused_with_the_fix(strategy):
     ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
     with pytest.raises(mirrored._run.ReplicaDivergenceError, match="Welford.*not a sum"):
         strategy.run(lambda m, v: m.update(values=v), args=(welford, v))
+
+
+class SumOfSquares(nnx.metrics.Metric):
+    """A user's own Flax metric whose state is sums (not built on Average)."""
+
+    def __init__(self):
+        self.total = nnx.metrics.MetricState(jnp.zeros((), jnp.float32))
+        self.rows = nnx.metrics.MetricState(jnp.zeros((), jnp.int32))
+
+    def update(self, *, values, **_):
+        self.total[...] += jnp.sum(values**2)
+        self.rows[...] = self.rows[...] + values.shape[0]
+
+    def compute(self):
+        return self.total[...] / self.rows[...]
+
+    def reset(self):
+        self.total[...], self.rows[...] = 0.0, 0
+
+
+class DecayedMean(SumOfSquares):
+    """Not a sum: the old state is scaled."""
+
+    def update(self, *, values, **_):
+        self.total[...] = 0.9 * self.total[...] + jnp.sum(values)
+        self.rows[...] = self.rows[...] + values.shape[0]
+
+
+def test_the_jaxpr_check_tells_sums_from_running_means():
+    values = jnp.arange(5.0)
+    for metric, adds in [
+        (nnx.metrics.Average(), True),
+        (nnx.metrics.Accuracy(), True),
+        (SumOfSquares(), True),
+        (DecayedMean(), False),
+        (nnx.metrics.Welford(), False),
+    ]:
+        update = type(metric).update
+        kwargs = (
+            {"values": values}
+            if not isinstance(metric, nnx.metrics.Accuracy)
+            else {"logits": jnp.ones((5, 3)), "labels": jnp.zeros(5, jnp.int32)}
+        )
+        assert M.adds_to_its_state(update, metric, (), kwargs) is adds, type(metric).__name__
+
+
+def test_a_users_own_flax_sum_metric_inside_run_equals_one_device(strategy, caplog):
+    with strategy.scope():
+        ours = nnx.MultiMetric(squares=SumOfSquares(), mean=nnx.metrics.Average("values"))
+    batches = [(LOGITS[i : i + 16, 0],) for i in (0, 16, 32)]  # 16, 16 and a ragged 5
+    dataset = iter(strategy.experimental_distribute_dataset(batches))
+    with caplog.at_level("WARNING", logger="mirrored.metrics"):
+        for (v,) in itertools.islice(dataset, 2):  # full batches: exact
+            strategy.run(lambda m, v: m.update(values=v), args=(ours, v))
+        np.asarray(ours.squares.total[...])  # the steps ran
+        expected = float(np.mean(LOGITS[:32, 0] ** 2))
+        assert float(ours.squares.compute()) == pytest.approx(expected, 1e-6)
+        assert int(ours.squares.rows[...]) == 32
+        assert_bit_identical_on_devices(ours)
+        assert "padded" not in caplog.text
+        # The ragged batch: an own metric cannot be masked, so it says so (Average is exact).
+        ((v,),) = list(dataset)
+        strategy.run(lambda m, v: m.update(values=v), args=(ours, v))
+        assert int(ours.squares.rows[...]) == 48  # 5 real rows padded to 16: as warned
+    assert "with 11 rows). mirrored cannot tell" in caplog.text
+    assert int(ours.mean.count[...]) == 37  # Average: real rows only
+    assert SumOfSquares.update.__name__ == "update"  # patched only while tracing
+    with strategy.scope():
+        decayed = DecayedMean()
+    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="not a sum"):
+        strategy.run(lambda m, v: m.update(values=v), args=(decayed, v))
+
+
+def test_a_replicas_loss_share_given_to_a_mean_metric_warns_of_loss_over_n(strategy, caplog):
+    def step(metric, x, per_example):
+        loss = mirrored.compute_average_loss(per_example)  # this replica's share
+        metric.update(values=per_example if per_example_ok else loss)
+
+    with strategy.scope():
+        average = nnx.metrics.Average()
+    ((x, losses),) = strategy.experimental_distribute_dataset([(LOGITS[:16], LOGITS[:16, 0])])
+    for per_example_ok in (True, False):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mirrored.metrics"):
+            strategy.run(step, args=(average, x, losses))
+        warned = "reports the loss / 8" in caplog.text
+        assert warned is not per_example_ok
+    with strategy.scope():
+        mean = M.Mean()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mirrored.metrics"):
+        strategy.run(
+            lambda m, v: m.update_state(mirrored.compute_average_loss(v)), args=(mean, losses)
+        )
+    assert "Mean('mean') was updated with one scalar per replica" in caplog.text

@@ -147,6 +147,14 @@ class ReplicaContext:
         # Whether the step scaled a loss for the sum over replicas, or combined replicas
         # itself; `run` warns about the N× trap when it trains parameters without either.
         self.replica_aware = False
+        # Whether the step called compute_average_loss: a scalar a metric then averages over
+        # replicas is most likely a replica's share of the loss (metrics warn: loss / N).
+        self.loss_shared = False
+        self.warnings = True  # trace-time warnings (`run` traces a step twice: warns once)
+        # Ids of state variables whose update only added to them (user's Flax metrics):
+        # `run` sums the replicas' additions, as for metrics.
+        self.summed_states: set[int] = set()
+        self.not_summed_states: set[int] = set()
 
     @property
     def in_spmd(self) -> bool:

@@ -136,6 +136,8 @@ def compute_average_loss(
     if sample_weight is not None:
         losses = weighted_losses(losses, sample_weight)
     ctx = _context.current_replica_context()
+    if ctx is not None:
+        ctx.loss_shared = True
     if global_batch_size is not None:
         global_batch_size = _global_batch_size(global_batch_size)
         _check_not_per_replica_size(global_batch_size, losses, ctx)

@@ -656,6 +656,7 @@ class Runner:
         # mirrored.metrics sums: each replica adds its own rows; the additions are summed
         # (TensorFlow's SYNC_ON_READ SUM), so the state stays mirrored.
         flax_sums = metrics.summable_flax_states((args, kwargs))
+        flax_metrics = metrics.flax_metric_classes((args, kwargs))
         metric_slots = [
             i
             for i, v in enumerate(unique)
@@ -697,6 +698,7 @@ class Runner:
                 example_count=count,
                 batch_is_split=_SPLIT in kinds,
             )
+            ctx.warnings = warn  # trace-time warnings: on the first of the two traces only
             token = _context.enter_replica(ctx)
             gradients: list[Any] = []
             try:
@@ -704,9 +706,10 @@ class Runner:
                 with contextlib.ExitStack() as patches:
                     if checking:
                         patches.enter_context(_capturing_gradients(gradients))
+                    if flax_metrics:
+                        patches.enter_context(metrics.flax_metric_updates(flax_metrics))
                     if masked:
                         patches.enter_context(layers.masked_batch_norm())
-                        patches.enter_context(metrics.masked_flax_metrics())
                         for patch in masked_trace_patches:
                             patches.enter_context(patch())
                     out = fn(*call_args, **call_kwargs)
@@ -718,7 +721,12 @@ class Runner:
             for i in rng_slots:  # an unchanged stream keeps its mirrored key; its count moves on
                 if new_state[i] is inner[i]:
                     new_state[i] = state[i]
-            for i in metric_slots:
+            # Flax metrics of the user's own whose update only adds to their state: sums too.
+            slot_of = {id(v): i for i, v in enumerate(fresh)}
+            sums = ctx.summed_states - ctx.not_summed_states
+            added = sorted({slot_of[v] for v in sums if v in slot_of})
+            added = [i for i in added if i not in metric_slots]
+            for i in [*metric_slots, *added]:
                 new_state[i] = summed_over_replicas(state[i], new_state[i], self._n)
             for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
                 if _context.is_varying(new_state[i]):
@@ -1303,12 +1311,22 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
             name = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
             break
     if isinstance(variable, nnx.metrics.MetricState):
+        owner = next(
+            (
+                type(m).__name__
+                for m in metrics.flax_metrics((args, kwargs))
+                if any(v is variable for v in vars(m).values())
+            ),
+            "metric",
+        )
         return ReplicaDivergenceError(
-            f"{fn_name!r} updated the Flax metric state {name} from this replica's shard of the "
-            "batch, so it differs between replicas. Flax's Average, Accuracy (and MultiMetrics "
-            "of them) hold sums, which strategy.run adds across replicas for you; this metric "
-            "(e.g. Welford's running mean and variance) is not a sum, so N replicas cannot "
-            "combine it exactly.\n"
+            f"{fn_name!r} updated the Flax metric state {name} (of a {owner}) from this "
+            "replica's shard of the "
+            "batch, so it differs between replicas. A Flax metric whose update only adds to "
+            "its state (Average, Accuracy, MultiMetrics of them, or your own Metric with "
+            "`self.total[...] += ...`) holds sums, which strategy.run adds across replicas for "
+            f"you; this {owner}'s update is not a sum (e.g. Welford's running mean and "
+            "variance), so N replicas cannot combine it exactly.\n"
             "Fix: use mirrored.metrics (Mean, Accuracy, SparseCategoricalAccuracy, ...), or "
             "nnx.metrics.Average, whose sums every replica adds to:\n"
             "  with strategy.scope():\n"
