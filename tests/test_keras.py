@@ -133,6 +133,28 @@ def test_a_model_built_outside_the_scope_is_refused_not_trained_on_one_device(de
             model.compile(optimizer="sgd", loss="mse")
 
 
+def test_keras_default_from_logits_on_a_logits_model_warns_in_fit(devices, caplog):
+    from mirrored.keras import _fit
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _sequential()  # Dense(10): logits
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with caplog.at_level(logging.WARNING, logger="mirrored"):
+        model.fit(X[:64], Y[:64], batch_size=64, epochs=1, verbose=0)
+    assert "from_logits=False (Keras' default)" in caplog.text
+    assert "last layer 'dense_1' has no activation" in caplog.text
+    assert _fit.logits_trap(_compiled()) is None  # from_logits=True
+    softmax = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10, activation="softmax")])
+    softmax.compile(loss=keras.losses.SparseCategoricalCrossentropy())
+    assert _fit.logits_trap(softmax) is None
+    binary = keras.Sequential([keras.Input((20,)), keras.layers.Dense(1)])
+    binary.compile(loss=keras.losses.BinaryCrossentropy())
+    assert "BinaryCrossentropy has from_logits=False" in _fit.logits_trap(binary)
+    binary.compile(loss="mse")
+    assert _fit.logits_trap(binary) is None
+
+
 def test_a_model_created_in_the_scope_trains_mirrored_when_compiled_outside_it(devices):
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():

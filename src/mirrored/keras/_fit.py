@@ -10,6 +10,7 @@ summed over replicas, and `predict` returns exactly the real rows, in order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from mirrored import _context, _input, _run, config
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._prefetch import Prefetcher
 from mirrored.keras import _bridge
+
+logger = logging.getLogger("mirrored")
 
 
 class _Placer:
@@ -190,8 +193,47 @@ class _Step:
             slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
 
 
+_CROSSENTROPY_NAMES = frozenset(
+    {"sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy"}
+)
+
+
+def logits_trap(model: Any) -> str | None:
+    """Keras' silent trap, read from the model: a crossentropy loss with `from_logits=False`
+    (Keras' default) after a last layer with no activation, which outputs logits."""
+    import keras
+
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        name, from_logits = loss, loss not in _CROSSENTROPY_NAMES
+    elif isinstance(
+        loss,
+        keras.losses.SparseCategoricalCrossentropy
+        | keras.losses.CategoricalCrossentropy
+        | keras.losses.BinaryCrossentropy,
+    ):
+        name, from_logits = type(loss).__name__, bool(loss.from_logits)
+    else:
+        return None
+    layers = getattr(model, "layers", None)
+    if from_logits or not layers or len(getattr(model, "outputs", None) or [None]) != 1:
+        return None
+    last = layers[-1]
+    if getattr(last, "activation", None) is not keras.activations.linear:
+        return None
+    return (
+        f"{name} has from_logits=False (Keras' default), which expects probabilities, but the "
+        f"model's last layer {last.name!r} has no activation: it outputs logits, which the loss "
+        "clips into (0, 1) and trains badly on (TensorFlow's Keras does the same, silently). "
+        "Fix: from_logits=True in the loss (e.g. keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True)), or activation='softmax' / 'sigmoid' on the last layer."
+    )
+
+
 def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterator[Any]], Any]:
     """Keras' `train_function` / `test_function` / `predict_function` for `model` on `strategy`."""
+    if kind == "train" and (warning := logits_trap(model)):
+        logger.warning(warning)
     step = _Step(model, strategy, kind)
     keras_step = model._make_function(step, concatenate_outputs=kind == "predict")
     # Keras hands the same iterator every call of an epoch: on accelerators its batches are
