@@ -70,8 +70,8 @@ def _max_diff(a, b):
 
 @pytest.mark.parametrize(
     ("replicas", "make_tx"),
-    [(8, lambda: optax.sgd(0.1)), (8, lambda: optax.adam(0.01)), (1, lambda: optax.adam(0.01))],
-    ids=["sgd-8", "adam-8", "adam-1"],
+    [(8, lambda: optax.sgd(0.1)), (1, lambda: optax.adam(0.01))],  # 8 and 1, SGD and Adam
+    ids=["sgd-8", "adam-1"],
 )
 def test_eager_steps_equal_compiled_steps_ragged_last_batch_included(replicas, make_tx):
     compiled, compiled_losses, _ = _train(replicas, make_tx)

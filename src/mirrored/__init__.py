@@ -20,7 +20,7 @@ from mirrored._multiworker import (
 )
 from mirrored._platform import simulate_cpu_devices
 from mirrored._profile import ProfileReport, profile
-from mirrored._run import PeerFailureError, PythonBranchError
+from mirrored._run import PeerFailureError, PythonBranchError, ReplicaDivergenceError
 from mirrored._strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -57,6 +57,7 @@ __all__ = [
     "PythonBranchError",
     "ReduceOp",
     "ReplicaContext",
+    "ReplicaDivergenceError",
     "Report",
     "SlurmClusterResolver",
     "Strategy",
