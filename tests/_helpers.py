@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -11,6 +12,12 @@ from flax import nnx
 
 import mirrored
 from mirrored._leaves import raw_array
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a script a test starts: its own device count and thread pool (no
+    inherited NPROC or XLA flags); the suite's compilation cache is kept."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
 
 
 class SmallMLP(nnx.Module):

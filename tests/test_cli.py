@@ -1,7 +1,6 @@
 """The demo and the examples run end to end, as a user would start them."""
 
 import json
-import os
 import re
 import runpy
 import subprocess
@@ -11,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     return subprocess.run(
         ["timeout", "-k", "10", str(timeout), *args],
         capture_output=True,

@@ -1,12 +1,13 @@
 """Every code block of the documentation runs, so the docs cannot drift from the code."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -32,7 +33,7 @@ def page_script(page: Path) -> str:
 def test_python_blocks_run(page, tmp_path):
     script = tmp_path / f"doc_{page.stem}.py"  # not keras.py: it would shadow `import keras`
     script.write_text(page_script(page))
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     result = subprocess.run(
         ["timeout", "-k", "10", "300", sys.executable, str(script)],
         capture_output=True,

@@ -20,9 +20,9 @@ _spec.loader.exec_module(tutorial)
 
 
 def test_the_tutorial_trains_to_high_test_accuracy(capsys):
-    history = tutorial.main(["--train-steps", "200", "--eval-every", "100"])
+    history = tutorial.main(["--train-steps", "150", "--eval-every", "75"])  # 97.8%
     out = capsys.readouterr().out
-    assert "replicas: 8" in out and "[test] step: 199" in out
+    assert "replicas: 8" in out and "[test] step: 149" in out
     assert history["test_accuracy"][-1] > 0.95
     assert all(0 < a <= 1 for a in history["train_accuracy"])
 

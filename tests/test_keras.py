@@ -16,6 +16,7 @@ import pytest
 
 import mirrored
 import mirrored.keras
+from _helpers import subprocess_env
 
 assert keras.backend.backend() == "jax"
 
@@ -134,15 +135,15 @@ def test_a_model_built_outside_the_scope_is_refused_not_trained_on_one_device(de
             model.compile(optimizer="sgd", loss="mse")
 
 
-def test_keras_default_from_logits_on_a_logits_model_warns_in_fit(devices, caplog):
+def test_keras_default_from_logits_on_a_logits_model_warns_when_fit_starts(devices, caplog):
     from mirrored.keras import _fit
 
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
         model = _sequential()  # Dense(10): logits
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    with caplog.at_level(logging.WARNING, logger="mirrored"):
-        model.fit(X[:64], Y[:64], batch_size=64, epochs=1, verbose=0)
+    with caplog.at_level(logging.WARNING, logger="mirrored"), strategy.scope():
+        model.make_train_function()  # what fit calls first
     assert "from_logits=False (Keras' default)" in caplog.text
     assert re.search(r"last layer 'dense(_\d+)?' has no activation", caplog.text)
     assert _fit.logits_trap(_compiled()) is None  # from_logits=True
@@ -407,7 +408,7 @@ def test_mixed_float16_skips_the_step_on_every_replica_when_one_overflows(mixed_
 def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices(tmp_path, devices):
     """2 processes × 2 devices (`mirrored launch`) against this process on 4 devices."""
     here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     command = ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "launch"]
     command += ["-n", "2", "--devices-per-process", "2", "--grace", "3"]
     command += [str(here / "_mw_keras_script.py"), str(tmp_path)]

@@ -2,7 +2,6 @@
 on a Keras custom step (state captured by closure) and on a compiled model's `fit` step."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 
 import mirrored
 import mirrored.keras
+from _helpers import subprocess_env
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(200, 20)).astype("float32")
@@ -169,7 +169,7 @@ def test_doctor_checks_a_keras_step_file_and_a_keras_fit_file(tmp_path):
         "    (batch,) = strategy.experimental_distribute_dataset([(x[:32], y[:32])])\n"
         "    return strategy, train_step, batch\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
 
     def doctor(*args):
         command = [sys.executable, "-m", "mirrored.cli", "doctor", "--devices", "4"]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import mirrored
+from _helpers import subprocess_env
 from mirrored._multiworker import resolve_cluster
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +106,7 @@ def test_single_process_strategy(devices):
 
 
 def launch(out, n, k, *extra, timeout=240):
-    env = {k_: v for k_, v in os.environ.items() if k_ not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     command = [
         "timeout",
         "-k",
@@ -209,7 +210,7 @@ def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
     from mirrored._launch import free_port
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     env.update(
         MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         MIRRORED_NUM_PROCESSES="2",
@@ -248,7 +249,7 @@ def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
 
 @pytest.mark.slow
 def test_multi_worker_example_through_the_launcher():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     result = subprocess.run(
         [
             "timeout",

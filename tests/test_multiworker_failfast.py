@@ -15,6 +15,7 @@ import pytest
 from jax._src import clusters
 
 import mirrored
+from _helpers import subprocess_env
 from mirrored._launch import free_port, is_gloo_noise
 from mirrored._multiworker import resolve_cluster
 from mirrored._rendezvous import initialization_seconds
@@ -40,11 +41,7 @@ def tf_config(ports, index):
 
 
 def worker_env(**extra):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("XLA_FLAGS", "NPROC") and not k.startswith(CLUSTER_VARIABLES)
-    }
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith(CLUSTER_VARIABLES)}
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 

@@ -12,7 +12,13 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import SmallMLP, max_relative_difference, params_of, train_single_device
+from _helpers import (
+    SmallMLP,
+    max_relative_difference,
+    params_of,
+    subprocess_env,
+    train_single_device,
+)
 from mirrored import _tensorboard
 
 HERE = Path(__file__).resolve().parent
@@ -120,7 +126,7 @@ def test_an_unfinished_save_leaves_the_previous_checkpoint_usable(devices, tmp_p
 
 @pytest.mark.slow
 def test_backup_and_restore_after_sigkill_matches_an_uninterrupted_fit(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
 
     def run(backup, out, *extra):
         cmd = ["timeout", "-k", "10", "240", sys.executable, str(HERE / "_fit_script.py")]

@@ -2,7 +2,6 @@
 exactly as 1 device does (ragged batch included), and the script runs end to end."""
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import assert_bit_identical_on_devices, params_of
+from _helpers import assert_bit_identical_on_devices, params_of, subprocess_env
 from mirrored import _doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +60,7 @@ def test_the_example_trains_below_the_bound_end_to_end(data):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")},
+        env=subprocess_env(),
         check=False,
     )
     assert result.returncode == 0, result.stderr

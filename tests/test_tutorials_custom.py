@@ -9,7 +9,6 @@ runs as two worker processes on 127.0.0.1 configured by TF_CONFIG, then again to
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import assert_bit_identical_on_devices
+from _helpers import assert_bit_identical_on_devices, subprocess_env
 from mirrored._launch import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -167,7 +166,7 @@ def _workers(tmp_path, checkpoint_dir, *extra):
     """Start both workers, wait (bounded) for both; kill only these two on a timeout."""
     ports = [free_port(), free_port()]
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC", "TF_CONFIG")}
+    env = {k: v for k, v in subprocess_env().items() if k != "TF_CONFIG"}
     # The relaunch reuses the first launch's compiled programs (model init and the step), as
     # a restarted job on the same machine would: it halves this test's time.
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")

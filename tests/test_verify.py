@@ -1,7 +1,6 @@
 """mirrored.verify / mirrored doctor catch each planted mistake with the right diagnosis."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import optax
 from flax import nnx
 
 import mirrored
-from _helpers import SmallMLP, global_batches, train_step
+from _helpers import SmallMLP, global_batches, subprocess_env, train_step
 from mirrored import _verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +162,7 @@ def test_trainer_verify(devices):
 
 
 def _doctor(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env = subprocess_env()
     return subprocess.run(
         ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "doctor", *args],
         capture_output=True,
