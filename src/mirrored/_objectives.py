@@ -344,9 +344,17 @@ def logits_warning(loss: Any, y_pred: Any) -> str | None:
             problem = f"rows summing to {sums.min():.3g}..{sums.max():.3g}, not 1"
     if problem is None:
         return None
+    return from_logits_warning(
+        loss.name, f"the model's outputs on the first batch have {problem}: they look like logits"
+    )
+
+
+def from_logits_warning(loss_name: str, evidence: str) -> str:
+    """Keras' silent trap, said once for `Trainer` and Keras' `fit`: `evidence` that the model
+    outputs logits, given to a loss that expects probabilities."""
     return (
-        f"{loss.name} has from_logits=False (Keras' default), which expects probabilities, but "
-        f"the model's outputs on the first batch have {problem}: they look like logits, which "
-        "the loss clips into (0, 1) and trains badly on. Fix: pass from_logits=True (or end "
-        "the model with a softmax / sigmoid)."
+        f"{loss_name} has from_logits=False (Keras' default), which expects probabilities, but "
+        f"{evidence}, which the loss clips into (0, 1) and trains badly on (TensorFlow's Keras "
+        "does the same, silently). Fix: pass from_logits=True to the loss, or end the model "
+        "with a softmax / sigmoid."
     )

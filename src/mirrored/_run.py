@@ -724,9 +724,8 @@ class Runner:
             # Flax metrics of the user's own whose update only adds to their state: sums too.
             slot_of = {id(v): i for i, v in enumerate(fresh)}
             sums = ctx.summed_states - ctx.not_summed_states
-            added = sorted({slot_of[v] for v in sums if v in slot_of})
-            added = [i for i in added if i not in metric_slots]
-            for i in [*metric_slots, *added]:
+            added = {slot_of[v] for v in sums if v in slot_of} - set(metric_slots)
+            for i in [*metric_slots, *sorted(added)]:
                 new_state[i] = summed_over_replicas(state[i], new_state[i], self._n)
             for i in stat_slots:  # TensorFlow's ON_READ MEAN for moving statistics
                 if _context.is_varying(new_state[i]):
@@ -838,7 +837,11 @@ class Runner:
         jax.eval_shape(program(None, SPLIT), state, split, rep)
         out_treedef, varying, per_example = recorded["out"]
         out_specs = [SPLIT if v else REPLICATED for v in varying] + [SPLIT] * checking
-        call = jax.jit(program(varying, out_specs), donate_argnums=0 if self._donate else ())
+
+        def jitted() -> Any:
+            return jax.jit(program(varying, out_specs), donate_argnums=0 if self._donate else ())
+
+        call = jitted()
         # XLA:CPU runs a convolution inside a loop dozens of times slower than outside one
         # (measured: a small CNN step 8 ms alone, 419 ms in a scan, 8 ms fully unrolled):
         # such a program gets its K steps unrolled (compiling takes longer instead).
@@ -848,7 +851,7 @@ class Runner:
             and "convolution" in call.lower(state, split, rep).as_text()
         ):
             unrolled[0] = True
-            call = jax.jit(program(varying, out_specs), donate_argnums=0 if self._donate else ())
+            call = jitted()
         if not self._logged:
             self._log_first_program(fn_name, call, state, split, rep)
         return _Program(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from mirrored import _context, _input, _run, config
+from mirrored import _context, _input, _objectives, _run, config
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._prefetch import Prefetcher
 from mirrored.keras import _bridge
@@ -221,12 +221,8 @@ def logits_trap(model: Any) -> str | None:
     last = layers[-1]
     if getattr(last, "activation", None) is not keras.activations.linear:
         return None
-    return (
-        f"{name} has from_logits=False (Keras' default), which expects probabilities, but the "
-        f"model's last layer {last.name!r} has no activation: it outputs logits, which the loss "
-        "clips into (0, 1) and trains badly on (TensorFlow's Keras does the same, silently). "
-        "Fix: from_logits=True in the loss (e.g. keras.losses.SparseCategoricalCrossentropy("
-        "from_logits=True)), or activation='softmax' / 'sigmoid' on the last layer."
+    return _objectives.from_logits_warning(
+        name, f"the model's last layer {last.name!r} has no activation: it outputs logits"
     )
 
 
