@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks
 	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

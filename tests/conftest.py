@@ -2,8 +2,8 @@
 
 The suite compiles the same small programs many times (each test builds its own models and
 strategies; the demo, examples and docs run as subprocesses): one persistent XLA compilation
-cache for the session (mirrored.config's), inherited by the subprocesses, compiles each
-program once.
+cache for the session (mirrored.config's), inherited by the subprocesses and shared by
+pytest-xdist's workers, compiles each program once.
 """
 
 import atexit
@@ -17,8 +17,12 @@ import jax
 
 import mirrored
 
-_CACHE = tempfile.mkdtemp(prefix="mirrored-tests-xla-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MIRRORED_COMPILATION_CACHE"):
+    # A pytest-xdist worker (`make test` runs two): the controller's cache, shared by all.
+    _CACHE = os.environ["MIRRORED_COMPILATION_CACHE"]
+else:
+    _CACHE = tempfile.mkdtemp(prefix="mirrored-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 # mirrored's own cache settings (every program, locked writes: the multi-process tests write
 # it at once), here and in the subprocesses, which never touch the user's ~/.cache.
 os.environ["MIRRORED_COMPILATION_CACHE"] = _CACHE
