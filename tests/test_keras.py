@@ -125,6 +125,20 @@ def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
     assert _max_diff(restored.get_weights(), model.get_weights()) == 0
 
 
+def test_keras_per_step_state_dict_skips_the_tracker_and_other_attributes_are_tracked(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+    model.fit(X[:64], Y[:64], batch_size=64, epochs=1, verbose=0)
+    state = {"trainable_variables": [v.value for v in model.trainable_variables]}
+    model._jax_state = state  # what Keras' epoch loop assigns after every step
+    assert model._jax_state is state  # plain Keras stores a TrackedDict copy
+    model._jax_state = None
+    model.extra = [keras.layers.Dense(3)]  # anything else: Keras' tracker as before
+    assert type(model.extra).__name__ == "TrackedList"
+    del model.extra
+
+
 def test_a_model_built_outside_the_scope_is_refused_not_trained_on_one_device(devices):
     model = _compiled()  # built and compiled on one device
     strategy = mirrored.MirroredStrategy(devices)

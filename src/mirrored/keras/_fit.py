@@ -236,7 +236,8 @@ def _untracked_loop_state(model: Any) -> None:
     """Keras' epoch loops set `model._jax_state = {...: [arrays]}` after every step, and the
     layer's attribute tracker walks it (wrapping each list, testing each array for a Variable,
     Layer, Metric or SeedGenerator), though arrays are never any of them: measured about 1% of a
-    step of the seed MLP. Here that one dict passes untouched; everything else is tracked."""
+    step of the seed MLP. Here a plain dict with only those keys passes untouched (a user's own
+    attribute shaped like it would too); everything else is tracked as before."""
     tracker = getattr(model, "_tracker", None)
     if tracker is None or getattr(tracker, "_mirrored_loop_state", False):
         return
