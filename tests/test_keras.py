@@ -92,6 +92,18 @@ def test_fit_evaluate_predict_on_n_replicas_equal_plain_keras_ragged_batch_inclu
     )
 
 
+def test_a_loss_tracker_that_is_not_keras_own_mean_logs_the_same_loss(reference, devices):
+    class Tracker(keras.metrics.Mean):  # its own update_state: given the global loss
+        pass
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+        model._loss_tracker = Tracker(name="loss")
+    ours = model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0).history
+    assert ours["loss"] == pytest.approx(reference[1]["loss"][:1], abs=1e-5)
+
+
 def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
     weights = np.linspace(0.2, 2.0, 525).astype("float32")
     ref = _compiled()

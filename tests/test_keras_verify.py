@@ -111,6 +111,11 @@ def test_a_compiled_keras_models_fit_step_is_verified(devices, replicas):
     report = mirrored.verify(strategy, model, (X, Y), batch_size=64)
     assert report.ok, report.to_json()
     assert _statuses(report)["Single-device equivalence"] == "PASS"
+    if replicas > 1:
+        # The loss tracker's and the accuracy's sums travel with the gradients (none waits
+        # for them), not in an all-reduce of their own after them; the dropout layer's
+        # advanced seed state (uint32) is the second.
+        assert report["Collectives"].data["all_reduce_ops"] == 2
     assert report["Input"].data["steps_per_epoch"] == 4  # 200 at 64: 3 full + 8
     assert report["Input"].data["last_batch"] == 8
     assert int(model.optimizer.iterations.value) == 0  # fit has not started

@@ -159,17 +159,19 @@ class _Step:
         (`original`: the values before the step, `before`: after the loss's own trackers)."""
         model = self.model
         references = model.metrics_variables
-        loss = jax.lax.psum(loss, REPLICA_AXIS)  # each replica holds its share of the loss
         ctx = _context.current_replica_context()  # `verify` runs the step on 1 device too
         assert ctx is not None
         rows = _real_rows()
         if rows is None:
             first = next(i for i in jax.tree.leaves(x) if i is not None)
             rows = jnp.asarray(first.shape[0], jnp.float32)
+            total_rows = rows * ctx.num_replicas_in_sync
+        else:
+            total_rows = ctx.example_count
+        # Varying by construction (the rows), so the additions psum to the global ones.
+        rows = jnp.asarray(rows, jnp.float32) + 0 * jax.lax.axis_index(REPLICA_AXIS)
         with StatelessScope(state_mapping=list(zip(references, before, strict=True))) as scope:
-            # Varying by construction (the rows), so the additions psum to the global ones.
-            rows = jnp.asarray(rows, jnp.float32) + 0 * jax.lax.axis_index(REPLICA_AXIS)
-            model._loss_tracker.update_state(loss, sample_weight=rows)
+            _track_loss(model._loss_tracker, loss, rows, total_rows)
             model.compute_metrics(x, y, y_pred, sample_weight)
         combined = []
         for ref, old, current in zip(references, original, before, strict=True):
@@ -191,6 +193,24 @@ class _Step:
             if i in self.seeds:
                 new = _bridge.mirrored_seed(new)
             slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
+
+
+def _track_loss(tracker: Any, share: Any, rows: Any, total_rows: Any) -> None:
+    """Keras' loss tracker after this replica's rows: as on one device, `total` gains the batch
+    mean loss times the batch's real rows and `count` the rows. A replica holds its share of
+    the mean (its losses over the global rows), so its additions are `share * total_rows` and
+    `rows`: summed over replicas they are the global ones. Nothing here waits for the other
+    replicas, so XLA sends these sums in the gradients' all-reduce (one per step, measured)
+    instead of a second one after it. A tracker that is not Keras' own `Mean` gets the
+    global loss, summed first, through its own `update_state`."""
+    import keras
+
+    if type(tracker) is keras.metrics.Mean:
+        dtype = tracker.total.dtype
+        tracker.total.assign_add(jnp.asarray(share, dtype) * jnp.asarray(total_rows, dtype))
+        tracker.count.assign_add(jnp.asarray(rows, tracker.count.dtype))
+    else:
+        tracker.update_state(jax.lax.psum(share, REPLICA_AXIS), sample_weight=rows)
 
 
 _CROSSENTROPY_NAMES = frozenset(
