@@ -92,6 +92,53 @@ def test_fit_evaluate_predict_on_n_replicas_equal_plain_keras_ragged_batch_inclu
     )
 
 
+def _two_outputs():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((20,))
+    hidden = keras.layers.Dense(
+        32,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=keras.regularizers.L1(0.01),
+    )(inputs)
+    outputs = {
+        "cls": keras.layers.Dense(10, name="cls")(hidden),
+        "reg": keras.layers.Dense(1, name="reg")(hidden),
+    }
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+        loss_weights={"cls": 1.0, "reg": 0.5},
+        metrics={"cls": ["accuracy"], "reg": ["mae"]},
+    )
+    return model
+
+
+def test_two_outputs_and_regularizers_log_and_train_as_one_device_ragged_batch_included(
+    devices,
+):
+    """Each output's loss in the logs (Keras' per-output trackers), weight and activity
+    regularization in the gradients: all as plain Keras on one device."""
+    y = {"cls": Y, "reg": X[:, :1] * 2.0}
+    reference = _two_outputs()
+    expected = reference.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _two_outputs()
+    history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert set(history) == {"loss", "cls_loss", "reg_loss", "cls_accuracy", "reg_mae"}
+    for name, values in expected.items():
+        assert history[name] == pytest.approx(values, abs=1e-5), name
+    assert _max_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    evaluate = {"batch_size": 64, "verbose": 0, "return_dict": True}
+    assert model.evaluate(X, y, **evaluate) == pytest.approx(
+        reference.evaluate(X, y, **evaluate), abs=1e-5
+    )
+    regularizer = model.layers[1].get_config()["activity_regularizer"]
+    assert regularizer["class_name"] == "L1"  # saved as the layer's own
+
+
 def test_a_loss_tracker_that_is_not_keras_own_mean_logs_the_same_loss(reference, devices):
     class Tracker(keras.metrics.Mean):  # its own update_state: given the global loss
         pass

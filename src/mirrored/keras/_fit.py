@@ -10,6 +10,7 @@ summed over replicas, and `predict` returns exactly the real rows, in order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,12 +51,46 @@ class _Placer:
         return self._dataset._place(host)
 
 
-def _real_rows() -> Any:
-    """This replica's real rows in the batch being traced."""
-    ctx = _context.current_replica_context()
+def _rows(x: Any) -> tuple[Any, Any]:
+    """This replica's real rows in the batch being traced (varying by construction, so that
+    additions of them psum to the global ones), and the global batch's real rows."""
+    ctx = _context.current_replica_context()  # `verify` runs the step on 1 device too
     assert ctx is not None
     mask = ctx.example_mask
-    return None if mask is None else jnp.sum(mask)
+    if mask is None:
+        first = next(i for i in jax.tree.leaves(x) if i is not None)
+        rows = jnp.asarray(first.shape[0], jnp.float32)
+        total_rows = rows * ctx.num_replicas_in_sync
+    else:
+        rows, total_rows = jnp.sum(mask), ctx.example_count
+    return jnp.asarray(rows, jnp.float32) + 0 * jax.lax.axis_index(REPLICA_AXIS), total_rows
+
+
+@contextlib.contextmanager
+def _output_loss_trackers(model: Any, rows: Any, total_rows: Any) -> Iterator[None]:
+    """A multi-output model's per-output loss trackers (`cls_loss`, ...) while the loss is
+    computed: Keras adds each output's loss times `y_pred.shape[0]` (under TensorFlow the
+    replica's share times N, `unscale_loss_for_distribution`), which here would count a
+    replica's share of the mean and the padded rows. They are kept as the loss tracker is
+    (`_track_loss`): the share times the global real rows, and the real rows."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    trackers = [m for m in getattr(compile_loss, "metrics", None) or [] if m is not None]
+    saved = [vars(m).get("update_state") for m in trackers]
+    for tracker in trackers:
+
+        def update_state(values: Any, sample_weight: Any = None, *, tracker: Any = tracker) -> None:
+            del sample_weight  # y_pred.shape[0]: the padded rows
+            _track_loss(tracker, values, rows, total_rows)
+
+        object.__setattr__(tracker, "update_state", update_state)
+    try:
+        yield
+    finally:
+        for tracker, before in zip(trackers, saved, strict=True):
+            if before is None:
+                object.__delattr__(tracker, "update_state")
+            else:
+                object.__setattr__(tracker, "update_state", before)
 
 
 class _Step:
@@ -114,19 +149,21 @@ class _Step:
             new = [*groups[0], *new_non_trainable]
             self._write(slots, values, new)
             return outputs
+        rows, total_rows = _rows(x)
         if self.kind == "train":
             trainable, non_trainable, optimizer_vars, metric_vars = groups
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            (_, aux), grads = grad_fn(
-                trainable,
-                non_trainable,
-                metric_vars,
-                x,
-                y,
-                sample_weight,
-                training=True,
-                optimizer_variables=optimizer_vars,
-            )
+            with _output_loss_trackers(model, rows, total_rows):
+                (_, aux), grads = grad_fn(
+                    trainable,
+                    non_trainable,
+                    metric_vars,
+                    x,
+                    y,
+                    sample_weight,
+                    training=True,
+                    optimizer_variables=optimizer_vars,
+                )
             loss, y_pred, non_trainable, metric_vars = aux
             trainable, optimizer_vars = model.optimizer.stateless_apply(
                 optimizer_vars, grads, trainable
@@ -134,13 +171,14 @@ class _Step:
             new = [*trainable, *non_trainable, *optimizer_vars]
         else:
             trainable, non_trainable, metric_vars = groups
-            loss, aux = model.compute_loss_and_updates(
-                trainable, non_trainable, metric_vars, x, y, sample_weight, training=False
-            )
+            with _output_loss_trackers(model, rows, total_rows):
+                loss, aux = model.compute_loss_and_updates(
+                    trainable, non_trainable, metric_vars, x, y, sample_weight, training=False
+                )
             _, y_pred, non_trainable, metric_vars = aux
             new = [*trainable, *non_trainable]
         logs, metric_vars = self._metrics(
-            groups[-1], metric_vars, loss, x, y, y_pred, sample_weight
+            groups[-1], metric_vars, loss, (rows, total_rows), x, y, y_pred, sample_weight
         )
         self._write(slots, values, [*new, *metric_vars])
         return logs
@@ -150,26 +188,20 @@ class _Step:
         original: list[Any],
         before: list[Any],
         loss: Any,
+        counts: tuple[Any, Any],
         x: Any,
         y: Any,
         y_pred: Any,
         sample_weight: Any,
     ) -> tuple[Any, list[Any]]:
         """Update the metrics with this replica's real rows; sum the updates over replicas
-        (`original`: the values before the step, `before`: after the loss's own trackers)."""
+        (`original`: the values before the step, `before`: after the loss's own trackers;
+        `counts`: this replica's real rows and the global batch's, from `_rows`)."""
         model = self.model
         references = model.metrics_variables
-        ctx = _context.current_replica_context()  # `verify` runs the step on 1 device too
+        ctx = _context.current_replica_context()
         assert ctx is not None
-        rows = _real_rows()
-        if rows is None:
-            first = next(i for i in jax.tree.leaves(x) if i is not None)
-            rows = jnp.asarray(first.shape[0], jnp.float32)
-            total_rows = rows * ctx.num_replicas_in_sync
-        else:
-            total_rows = ctx.example_count
-        # Varying by construction (the rows), so the additions psum to the global ones.
-        rows = jnp.asarray(rows, jnp.float32) + 0 * jax.lax.axis_index(REPLICA_AXIS)
+        rows, total_rows = counts
         with StatelessScope(state_mapping=list(zip(references, before, strict=True))) as scope:
             _track_loss(model._loss_tracker, loss, rows, total_rows)
             model.compute_metrics(x, y, y_pred, sample_weight)

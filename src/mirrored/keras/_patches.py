@@ -4,8 +4,9 @@
 - Inside `strategy.run` on a split batch, a Keras loss with a mean reduction averages over the
   GLOBAL batch's real rows (as Keras' own loops do under a TensorFlow strategy), metrics leave
   padded rows out, BatchNormalization leaves them out of its statistics (and, with
-  `synchronized=True`, computes them over the global batch), and `add_loss` / regularization
-  losses are divided by the replica count (TensorFlow's `scale_regularization_loss`).
+  `synchronized=True`, computes them over the global batch), `add_loss` / weight regularization
+  losses are divided by the replica count (TensorFlow's `scale_regularization_loss`), and
+  activity regularization counts the global batch's real rows once.
 - `compile`, `fit`, `evaluate`, `predict` and the `*_on_batch` calls of a model tied to a
   strategy (created or compiled in its scope) run data-parallel on it.
 """
@@ -153,6 +154,46 @@ def _aggregate_additional_loss(original: Callable[..., Any]) -> Callable[..., An
         return total / ctx.num_replicas_in_sync
 
     return aggregate
+
+
+def _activity_loss(regularizer: Any, output: Any) -> Any:
+    """A layer's activity regularization inside `strategy.run` on a split batch.
+
+    Keras adds `regularizer(output) / output.shape[0]`, and the trainer divides additional
+    losses by N (`_aggregate_additional_loss`): over replicas that averages the replicas'
+    means, which counts padded rows and weighs a ragged batch's replicas wrongly. Here the
+    padded rows are zeroed and both divisions undone for one by the global batch's real rows:
+    summed over replicas, `regularizer(all real rows) / rows`, as on one device (exact for
+    Keras' L1, L2 and L1L2, which sum over the rows).
+    """
+    ctx = split_context()
+    if ctx is None or not getattr(output, "ndim", 0):
+        return regularizer(output)
+    mask = _context.row_mask(output)
+    if mask is not None:
+        output = output * _broadcast(mask, output)
+    loss = regularizer(output)
+    padded = output.shape[0] * ctx.num_replicas_in_sync
+    count = ctx.example_count if mask is not None else padded
+    ratio = ops.divide_no_nan(float(padded), ops.cast(count, "float32"))
+    return loss * ops.cast(ratio, loss.dtype)
+
+
+class _ActivityRegularizer:
+    """`Layer.activity_regularizer`, stored on the layer as before; read inside `strategy.run`
+    on a split batch, it is `_activity_loss` around the layer's regularizer. Outside, and for
+    saving (`get_config`), it is the layer's own regularizer, unchanged."""
+
+    def __get__(self, layer: Any, owner: Any = None) -> Any:
+        if layer is None:
+            return self
+        regularizer = layer.__dict__.get("activity_regularizer")
+        if regularizer is None or split_context() is None:
+            return regularizer
+        return functools.partial(_activity_loss, regularizer)
+
+    def __set__(self, layer: Any, value: Any) -> None:
+        layer.__dict__["activity_regularizer"] = value
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -470,6 +511,7 @@ def install() -> None:
     trainer._aggregate_additional_loss = _aggregate_additional_loss(
         trainer._aggregate_additional_loss
     )
+    keras.layers.Layer.activity_regularizer = _ActivityRegularizer()  # type: ignore[assignment]
     norm = keras.layers.BatchNormalization
     norm.__init__ = _batch_norm_init(norm.__init__)
     norm._moments = _batch_norm_moments(norm._moments)
