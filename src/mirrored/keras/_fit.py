@@ -234,7 +234,8 @@ def _track_loss(tracker: Any, share: Any, rows: Any, total_rows: Any) -> None:
     `rows`: summed over replicas they are the global ones. Nothing here waits for the other
     replicas, so XLA sends these sums in the gradients' all-reduce (one per step, measured)
     instead of a second one after it. A tracker that is not Keras' own `Mean` gets the
-    global loss, summed first, through its own `update_state`."""
+    global loss, summed first, through its class's `update_state` (not the instance's, which
+    `_output_loss_trackers` replaces with this function)."""
     import keras
 
     if type(tracker) is keras.metrics.Mean:
@@ -242,7 +243,7 @@ def _track_loss(tracker: Any, share: Any, rows: Any, total_rows: Any) -> None:
         tracker.total.assign_add(jnp.asarray(share, dtype) * jnp.asarray(total_rows, dtype))
         tracker.count.assign_add(jnp.asarray(rows, tracker.count.dtype))
     else:
-        tracker.update_state(jax.lax.psum(share, REPLICA_AXIS), sample_weight=rows)
+        type(tracker).update_state(tracker, jax.lax.psum(share, REPLICA_AXIS), sample_weight=rows)
 
 
 _CROSSENTROPY_NAMES = frozenset(

@@ -156,8 +156,8 @@ def _aggregate_additional_loss(original: Callable[..., Any]) -> Callable[..., An
     return aggregate
 
 
-def _activity_loss(regularizer: Any, output: Any) -> Any:
-    """A layer's activity regularization inside `strategy.run` on a split batch.
+def _activity_loss(regularizer: Any, ctx: _context.ReplicaContext, output: Any) -> Any:
+    """A layer's activity regularization inside `strategy.run` on a split batch (`ctx`).
 
     Keras adds `regularizer(output) / output.shape[0]`, and the trainer divides additional
     losses by N (`_aggregate_additional_loss`): over replicas that averages the replicas'
@@ -166,8 +166,7 @@ def _activity_loss(regularizer: Any, output: Any) -> Any:
     summed over replicas, `regularizer(all real rows) / rows`, as on one device (exact for
     Keras' L1, L2 and L1L2, which sum over the rows).
     """
-    ctx = split_context()
-    if ctx is None or not getattr(output, "ndim", 0):
+    if not getattr(output, "ndim", 0):
         return regularizer(output)
     mask = _context.row_mask(output)
     if mask is not None:
@@ -188,9 +187,10 @@ class _ActivityRegularizer:
         if layer is None:
             return self
         regularizer = layer.__dict__.get("activity_regularizer")
-        if regularizer is None or split_context() is None:
+        ctx = split_context()
+        if regularizer is None or ctx is None:
             return regularizer
-        return functools.partial(_activity_loss, regularizer)
+        return functools.partial(_activity_loss, regularizer, ctx)
 
     def __set__(self, layer: Any, value: Any) -> None:
         layer.__dict__["activity_regularizer"] = value
