@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 
 import mirrored
 from _helpers import (
@@ -20,6 +21,7 @@ from _helpers import (
     train_single_device,
     train_step,
 )
+from mirrored._mesh import REPLICA_AXIS as AXIS
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
@@ -233,6 +235,27 @@ def test_logs_devices_and_collectives(devices, caplog):
     assert "over 8 replicas" in compiled[0] and "'train_step'" in compiled[0]
     strategy.run(train_step, args=(model, optimizer, x, y))
     assert len([r for r in caplog.records if "all-reduce" in r.message]) == 1
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_replica_steps_compile_without_an_all_reduce(devices, n):
+    """JAX lowers a psum over a one-device axis to an all-reduce XLA keeps: pure cost."""
+    strategy = mirrored.MirroredStrategy(devices[:n])
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ((x, y),) = strategy.experimental_distribute_dataset(global_batches(1, 16))
+    text = strategy._runner.compiled_text(train_step, (model, optimizer, x, y), {})
+    assert (text.count("all-reduce(") == 0) == (n == 1)
+
+    def totals(v):
+        return lax.psum(v, AXIS), lax.pmax(v, AXIS), lax.pmin(v, AXIS)
+
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: jnp.float32(ctx.replica_id_in_sync_group + 1)
+    )
+    got = [strategy.experimental_local_results(t)[0] for t in strategy.run(totals, args=(values,))]
+    assert [float(v) for v in got] == [n * (n + 1) / 2, n, 1.0]
 
 
 def test_run_compiles_once_per_signature(devices):

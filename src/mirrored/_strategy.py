@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _context, _input, _keras_hook, _mesh, _run, config
+from mirrored import _context, _input, _keras_hook, _lowering, _mesh, _run, config
 from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._run import Runner, peer_failures
 from mirrored._values import PerReplica, ReduceOp, ValueContext, is_per_replica
@@ -143,6 +143,7 @@ class Strategy:
                 "Fix: keep the default 2, or raise it for long-latency accelerators."
             )
         config.use_default_compilation_cache()  # before this strategy compiles anything
+        _lowering.install()
         self._extended = Extended(devices)
         self._mesh = _mesh.make_mesh(devices)
         self._replicated = _mesh.replicated(self._mesh)
