@@ -17,6 +17,7 @@ import pytest
 import mirrored
 import mirrored.keras
 from _helpers import subprocess_env
+from mirrored.keras import _fit
 
 assert keras.backend.backend() == "jax"
 
@@ -182,6 +183,37 @@ def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
     restored = _sequential()
     restored.load_weights(str(tmp_path / "m.weights.h5"))
     assert _max_diff(restored.get_weights(), model.get_weights()) == 0
+
+
+def test_weights_set_by_a_callback_mid_epoch_are_the_next_steps_weights(devices, monkeypatch):
+    """Steps after the first take the arrays the last step returned straight to the compiled
+    program; a callback's `set_weights` hands Keras' loop new arrays, which take the full path."""
+
+    class HalveAtBatch3(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # `self.model` brings Keras' per-step state back into the variables
+                self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+    ref = _compiled()
+    expected = ref.fit(
+        X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[HalveAtBatch3()]
+    )
+    full_steps = []
+    full = _fit._Step._full
+    monkeypatch.setattr(
+        _fit._Step, "_full", lambda self, *a: full_steps.append(self.kind) or full(self, *a)
+    )
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+    history = model.fit(
+        X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[HalveAtBatch3()]
+    )
+    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], abs=1e-5)
+    # The full path: the first step, the step after each set_weights and the second epoch's
+    # first (Keras re-reads the variables its callback set); the other 14 of 18 went direct.
+    assert full_steps == ["train"] * 4
 
 
 def test_keras_per_step_state_dict_skips_the_tracker_and_other_attributes_are_tracked(devices):

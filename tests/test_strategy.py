@@ -130,5 +130,20 @@ def test_run_inside_run_is_refused(devices):
 
 
 def test_max_in_flight_is_validated(devices):
-    with pytest.raises(ValueError, match="max_in_flight"):
-        mirrored.MirroredStrategy(devices, max_in_flight=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_in_flight"):
+            mirrored.MirroredStrategy(devices, max_in_flight=bad)
+
+
+@pytest.mark.parametrize(
+    ("n", "max_in_flight", "queued"), [(8, None, 2), (1, None, 0), (1, 3, 3), (8, 1, 1)]
+)
+def test_dispatch_is_bounded_with_several_replicas_and_free_with_one(
+    devices, n, max_in_flight, queued
+):
+    """Several replicas: a deeper queue of collectives deadlocks simulated CPU devices. One:
+    nothing to deadlock, and each wait costs the devices CPU time, so the host runs ahead."""
+    strategy = mirrored.MirroredStrategy(devices[:n], max_in_flight=max_in_flight)
+    for _ in range(5):
+        strategy.run(lambda: jnp.ones(()))
+    assert len(strategy._runner._in_flight) == queued

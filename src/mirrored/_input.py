@@ -297,9 +297,12 @@ class DistributedDataset:
 
     def _place(self, batch: HostBatch) -> Any:
         placed = self._to_devices(batch.leaves, batch.size)
-        mask, count = self._mask_and_count(batch)
+        return self._per_replica(batch.treedef, placed, *self._mask_and_count(batch))
+
+    def _per_replica(self, treedef: Any, placed: list[jax.Array], mask: Any, count: Any) -> Any:
+        """The batch of placed leaves, each leaf a `PerReplica` carrying the batch's mask."""
         return jax.tree.unflatten(
-            batch.treedef,
+            treedef,
             [
                 PerReplica(x, num_replicas=self._n, stacked=False, mask=mask, count=count)
                 for x in placed

@@ -286,7 +286,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         *,
         initialization_timeout: float | None = None,
-        max_in_flight: int = 2,
+        max_in_flight: int | None = None,
         donate: bool = True,
     ) -> None:
         timeout_s = initialization_seconds(initialization_timeout)

@@ -133,14 +133,23 @@ class Strategy:
     """Synchronous data parallelism over a fixed set of devices, one replica per device."""
 
     def __init__(
-        self, devices: Sequence[jax.Device], *, max_in_flight: int = 2, donate: bool = True
+        self,
+        devices: Sequence[jax.Device],
+        *,
+        max_in_flight: int | None = None,
+        donate: bool = True,
     ) -> None:
         if not isinstance(donate, bool):
             raise TypeError(f"Expected donate to be True or False; found {donate!r}.")
-        if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        if max_in_flight is not None and (
+            not isinstance(max_in_flight, int)
+            or isinstance(max_in_flight, bool)
+            or max_in_flight < 1
+        ):
             raise ValueError(
-                f"Expected max_in_flight to be a positive int; found {max_in_flight!r}. "
-                "Fix: keep the default 2, or raise it for long-latency accelerators."
+                f"Expected max_in_flight to be a positive int or None; found {max_in_flight!r}. "
+                "Fix: keep the default None (2 steps with several replicas, no bound with one), "
+                "or pass a number of steps."
             )
         config.use_default_compilation_cache()  # before this strategy compiles anything
         _lowering.install()
@@ -523,6 +532,9 @@ class MirroredStrategy(Strategy):
         devices: devices to mirror on — ``"/gpu:0"``, ``"gpu:0"``, ``"/cpu:3"``, ints or
             `jax.Device`s. None (the default) takes every local device of the default backend.
         max_in_flight: how many steps may be queued on the devices before the host waits.
+            None (the default): 2 with several replicas (deeper queues of collectives
+            deadlock simulated CPU devices), no bound with one (nothing to deadlock: the host
+            runs ahead as in plain JAX; waiting cost a one-device Keras `fit` ~7% on CPU).
         donate: let each step reuse the previous state's device memory (the default; an
             array read out of a variable before a step is deleted by it). `False` keeps such
             arrays valid, at the cost of holding two copies of the state during a step.
@@ -537,7 +549,7 @@ class MirroredStrategy(Strategy):
         self,
         devices: Sequence[DeviceLike] | None = None,
         *,
-        max_in_flight: int = 2,
+        max_in_flight: int | None = None,
         donate: bool = True,
     ) -> None:
         resolved = resolve_devices(devices)
@@ -557,7 +569,9 @@ class OneDeviceStrategy(Strategy):
         >>> strategy = mirrored.OneDeviceStrategy("/cpu:0")
     """
 
-    def __init__(self, device: DeviceLike, *, max_in_flight: int = 2, donate: bool = True) -> None:
+    def __init__(
+        self, device: DeviceLike, *, max_in_flight: int | None = None, donate: bool = True
+    ) -> None:
         resolved = resolve_device(device)
         super().__init__([resolved], max_in_flight=max_in_flight, donate=donate)
         logger.info("OneDeviceStrategy on %s", device_name(resolved))

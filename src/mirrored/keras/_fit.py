@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -41,14 +42,29 @@ class _Placer:
             options=_input.InputOptions(experimental_fetch_to_device=False),
         )
         self._target: int | None = None
+        # A full batch of NumPy arrays in one process, the common case, placed without
+        # re-deriving what the first such batch established: its structure, mask and count.
+        self._full: tuple[Any, Any, Any] | None = None  # (treedef, mask, count)
 
     def __call__(self, batch: Any) -> Any:
+        full, target = self._full, self._target
+        if full is not None and target is not None:
+            leaves, treedef = jax.tree.flatten(batch)
+            if treedef == full[0] and all(
+                type(x) is np.ndarray and x.shape[:1] == (target,) for x in leaves
+            ):
+                placed = self._dataset._to_devices(leaves, target)
+                return self._dataset._per_replica(treedef, placed, full[1], full[2])
         host = _input.host_batch(
             batch, self._target, num_replicas=self._n, processes=self._processes
         )
         if self._target is None:
             self._target = host.size
-        return self._dataset._place(host)
+        placed = self._dataset._place(host)
+        if host.real == host.size and self._processes[0] == 1:
+            leaf = jax.tree.leaves(placed)[0]
+            self._full = (jax.tree.structure(batch), leaf._mask, leaf._count)
+        return placed
 
 
 def _rows(x: Any) -> tuple[Any, Any]:
@@ -113,24 +129,39 @@ class _Step:
         self.bridge = _bridge.Bridge(variables, kinds)
         self.seeds = [i for i, k in enumerate(kinds) if k is _bridge.SeedSlot]
         self.place = _Placer(strategy)
+        self.direct: _run.Direct | None = None  # after a first step through the runner
 
     # -- on the host, per batch -----------------------------------------------------------------
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """One step on a batch already placed (`self.place`) on the devices."""
-        self.bridge.pull([x for group in state for x in group])
-        # The runner's own call: this step's Keras state is explicit already (no bridge).
-        # compile(run_eagerly=True): the step op by op, as mirrored.config's eager mode.
-        with config.eager_within(bool(self.model.run_eagerly)):
-            outputs = self.strategy._runner.call(self.traced, (self.bridge.holder, batch), {})
-        if self.kind == "predict":
-            outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
-        values = self.bridge.values()
+        flat = [x for group in state for x in group]
+        done = None if self.direct is None or self.model.run_eagerly else self.direct(flat, batch)
+        if done is not None:  # the arrays the last step returned: no Variables in between
+            outputs, values = done
+        else:
+            outputs, values = self._full(flat, batch)
         groups, start = [], 0
         for size in self.sizes:
             groups.append(values[start : start + size])
             start += size
         return outputs, tuple(groups)
+
+    def _full(self, flat: list[Any], batch: Any) -> tuple[Any, list[Any]]:
+        runner = self.strategy._runner
+        self.bridge.pull(flat)
+        # The runner's own call: this step's Keras state is explicit already (no bridge).
+        # compile(run_eagerly=True): the step op by op, as mirrored.config's eager mode.
+        with config.eager_within(bool(self.model.run_eagerly)):
+            outputs = runner.call(self.traced, (self.bridge.holder, batch), {})
+        if self.kind == "predict":
+            outputs = jax.tree.map(lambda x: self.strategy.gather(x, axis=0), outputs)
+        values = self.bridge.values()
+        if self.kind != "predict":
+            self.direct = runner.direct(self.traced, self.bridge.slots)
+            if self.direct is not None:
+                self.direct.returned(values)
+        return outputs, values
 
     # -- traced, per replica --------------------------------------------------------------------
 
