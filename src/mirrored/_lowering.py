@@ -3,7 +3,7 @@
 JAX lowers every `psum`/`pmax`/`pmin` over a mesh axis to an XLA all-reduce, even when each
 replica group has a single member, and XLA:CPU keeps it: every one-replica step (a
 `OneDeviceStrategy`, `MirroredStrategy` on one device) paid for a gradient all-reduce that
-moves nothing (measured: 400 KB of gradients, ~55 µs of a ~1.1 ms step of the seed MLP). Here
+moves nothing (measured: 2–3% of a one-device Keras `fit` step of the seed MLP). Here
 JAX's own lowering rules are wrapped so that such an all-reduce lowers to its operand; every
 other one, and every rule's abstract evaluation, autodiff and vma typing, stay JAX's. Installed
 once, by the first strategy, so that `import mirrored` changes nothing in JAX.
