@@ -76,13 +76,16 @@ def timed(run_steps: Callable[[int], Any], steps: int, warmup: int) -> float:
     return time.perf_counter() - start
 
 
-def run_bounded(k: int, step_once: Callable[[int], Any], in_flight: int = 2) -> Any:
-    """`step_once(0..k-1)` with at most `in_flight` steps queued on the devices, as mirrored's
-    dispatch bound; returns the last step's output."""
+def run_bounded(k: int, step_once: Callable[[int], Any], replicas: int) -> Any:
+    """`step_once(0..k-1)` with mirrored's default dispatch bound on `replicas` devices (at
+    most 2 steps queued with several, none with one); returns the last step's output."""
+    in_flight = 2 if replicas > 1 else None
     queue: collections.deque = collections.deque()
     out = None
     for i in range(k):
         out = step_once(i)
+        if in_flight is None:
+            continue
         queue.append(out)
         if len(queue) > in_flight:
             jax.block_until_ready(queue.popleft())

@@ -49,14 +49,14 @@ def main() -> None:
             staged = [tuple(jax.device_put(a, data_sharding) for a in b) for b in host[:8]]
             plain = {"params": params, "opt": opt_state}
 
-            def run_plain(plain=plain, staged=staged, step=step, steps=steps) -> float:
+            def run_plain(plain=plain, staged=staged, step=step, steps=steps, n=n) -> float:
                 def once(index: int) -> object:
                     x, y = staged[index % len(staged)]
                     plain["params"], plain["opt"], loss = step(plain["params"], plain["opt"], x, y)
                     return loss
 
                 start = time.perf_counter()
-                jax.block_until_ready(run_bounded(steps, once))
+                jax.block_until_ready(run_bounded(steps, once, n))
                 return time.perf_counter() - start
 
             strategy = mirrored.MirroredStrategy(devices)

@@ -2,7 +2,7 @@
 
 Each model, its optimizer and its training step come from its script in examples/, unchanged.
 Both loops train it on the same pre-staged device batches, in the same process, with the same
-in-flight bound (2 steps), dropout on. Prints JSON; ratio = mirrored / plain JAX; and
+in-flight bound (mirrored's default), dropout on. Prints JSON; ratio = mirrored / plain JAX; and
 `run_steps` (K steps per program, `--steps-per-execution`) against the same plain-JAX loop.
 
     python benchmarks/real_models.py [--devices 8] [--steps 32] [--repeats 3]
@@ -191,7 +191,7 @@ def main() -> None:
             step, plain, data_sharding = plain_jax_step(devices, workload)
             staged = [tuple(jax.device_put(a, data_sharding) for a in b) for b in workload.batches]
 
-            def run_plain(k: int, plain=plain, staged=staged, step=step) -> object:
+            def run_plain(k: int, plain=plain, staged=staged, step=step, n=n) -> object:
                 def once(i: int) -> object:
                     x, y = staged[i % len(staged)]
                     plain["params"], plain["rest"], plain["opt"], loss = step(
@@ -199,7 +199,7 @@ def main() -> None:
                     )
                     return loss
 
-                return run_bounded(k, once)
+                return run_bounded(k, once, n)
 
             # mirrored
             strategy = mirrored.MirroredStrategy(devices)

@@ -1,7 +1,8 @@
 """Examples/second of a `strategy.run` training loop vs a hand-written plain-JAX step.
 
 Both loops train the same model on the same pre-staged device batches with Adam, in the same
-process, with the same in-flight bound (2 steps). Prints JSON; ratio = mirrored / plain JAX.
+process, with the same in-flight bound (mirrored's default: 2 steps with several replicas,
+none with one). Prints JSON; ratio = mirrored / plain JAX.
 
     python benchmarks/step_overhead.py [--devices 8] [--steps 200] [--repeats 5]
 """
@@ -51,13 +52,13 @@ def main() -> None:
             staged = [tuple(jax.device_put(a, data_sharding) for a in b) for b in host_batches]
             plain = {"params": params, "opt": opt_state}
 
-            def run_plain(k: int, plain=plain, staged=staged, step=step) -> object:
+            def run_plain(k: int, plain=plain, staged=staged, step=step, n=n) -> object:
                 def once(i: int) -> object:
                     x, y = staged[i % len(staged)]
                     plain["params"], plain["opt"], loss = step(plain["params"], plain["opt"], x, y)
                     return loss
 
-                return run_bounded(k, once)
+                return run_bounded(k, once, n)
 
             # mirrored
             strategy = mirrored.MirroredStrategy(devices)
