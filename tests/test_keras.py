@@ -93,6 +93,25 @@ def test_fit_evaluate_predict_on_n_replicas_equal_plain_keras_ragged_batch_inclu
     )
 
 
+def test_steps_per_execution_trains_and_evaluates_as_one_device(reference, devices):
+    """Keras' JAX loop calls the step K times per execution; the ragged batch ends a group."""
+    weights, history, evaluation, _ = reference
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _compiled()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=4,  # 9 batches an epoch: groups of 4, 4 and 1
+        )
+    ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert _max_diff(model.get_weights(), weights) <= 1e-5
+    for name in ("loss", "accuracy"):
+        assert ours[name] == pytest.approx(history[name], abs=1e-5)
+    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+
+
 def _two_outputs():
     keras.utils.set_random_seed(1)
     inputs = keras.Input((20,))
