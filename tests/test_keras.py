@@ -112,6 +112,62 @@ def test_steps_per_execution_trains_and_evaluates_as_one_device(reference, devic
     assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
 
 
+class _PenalizedLoss(keras.Model):
+    """Keras' guide pattern: `compute_loss` overridden to scale the loss and add a penalty."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        base = super().compute_loss(x, y, y_pred, sample_weight, training)
+        kernel = self.layers[-1].kernel
+        return 3.0 * base + 0.01 * keras.ops.sum(keras.ops.square(kernel)) + 0.5
+
+
+def _penalized():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((20,))
+    hidden = keras.layers.Dense(32, activation="relu", kernel_regularizer="l2")(inputs)
+    model = _PenalizedLoss(inputs, keras.layers.Dense(10)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_a_compute_loss_override_counts_what_it_adds_once_as_on_one_device(devices, caplog):
+    """What the override adds by hand (the penalty, the constant) is the same on every
+    replica: counted N times it would train with 8x its gradient, with no error."""
+    ref = _penalized()
+    expected = ref.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = _penalized()
+    history = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    for name in ("loss", "accuracy"):
+        assert history[name] == pytest.approx(expected[name], abs=1e-5)
+    evaluation = ref.evaluate(X, Y, batch_size=64, verbose=0)
+    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    assert "did not scale" not in caplog.text  # the N× warning: the whole loss was scaled
+
+
+def test_an_overridden_train_step_is_refused_not_silently_skipped(devices):
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            raise AssertionError("mirrored's step runs instead of this one")
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = OwnStep([keras.Input((20,)), keras.layers.Dense(10)])
+        model.compile(
+            optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match="OwnStep.train_step.*compute_loss"):
+        model.fit(X, Y, batch_size=64, epochs=1, verbose=0)
+    assert _max_diff(model.get_weights(), before) == 0
+
+
 def _two_outputs():
     keras.utils.set_random_seed(1)
     inputs = keras.Input((20,))

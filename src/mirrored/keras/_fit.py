@@ -24,7 +24,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from mirrored import _context, _input, _objectives, _run, config
 from mirrored._mesh import REPLICA_AXIS
 from mirrored._prefetch import Prefetcher
-from mirrored.keras import _bridge
+from mirrored.keras import _bridge, _patches
 
 logger = logging.getLogger("mirrored")
 
@@ -91,12 +91,15 @@ def _output_loss_trackers(model: Any, rows: Any, total_rows: Any) -> Iterator[No
     (`_track_loss`): the share times the global real rows, and the real rows."""
     compile_loss = getattr(model, "_compile_loss", None)
     trackers = [m for m in getattr(compile_loss, "metrics", None) or [] if m is not None]
+    ctx = _patches.split_context()
+    n = 1 if ctx is None else ctx.num_replicas_in_sync
     saved = [vars(m).get("update_state") for m in trackers]
     for tracker in trackers:
 
         def update_state(values: Any, sample_weight: Any = None, *, tracker: Any = tracker) -> None:
             del sample_weight  # y_pred.shape[0]: the padded rows
-            _track_loss(tracker, values, rows, total_rows)
+            # Inside `_whole_loss`, each output's loss is N times the replica's share.
+            _track_loss(tracker, values / n, rows, total_rows)
 
         object.__setattr__(tracker, "update_state", update_state)
     try:
@@ -107,6 +110,13 @@ def _output_loss_trackers(model: Any, rows: Any, total_rows: Any) -> Iterator[No
                 object.__delattr__(tracker, "update_state")
             else:
                 object.__setattr__(tracker, "update_state", before)
+
+
+def _whole_loss(model: Any) -> contextlib.AbstractContextManager[None]:
+    """`_patches.whole_loss` on a split batch; nothing on an unsplit one (`verify`'s one
+    device)."""
+    ctx = _patches.split_context()
+    return contextlib.nullcontext() if ctx is None else _patches.whole_loss(model, ctx)
 
 
 class _Step:
@@ -184,7 +194,7 @@ class _Step:
         if self.kind == "train":
             trainable, non_trainable, optimizer_vars, metric_vars = groups
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            with _output_loss_trackers(model, rows, total_rows):
+            with _output_loss_trackers(model, rows, total_rows), _whole_loss(model):
                 (_, aux), grads = grad_fn(
                     trainable,
                     non_trainable,
@@ -202,7 +212,7 @@ class _Step:
             new = [*trainable, *non_trainable, *optimizer_vars]
         else:
             trainable, non_trainable, metric_vars = groups
-            with _output_loss_trackers(model, rows, total_rows):
+            with _output_loss_trackers(model, rows, total_rows), _whole_loss(model):
                 loss, aux = model.compute_loss_and_updates(
                     trainable, non_trainable, metric_vars, x, y, sample_weight, training=False
                 )
@@ -336,8 +346,28 @@ def _untracked_loop_state(model: Any) -> None:
     tracker._mirrored_loop_state = True
 
 
+def _refuse_overridden_step(model: Any, kind: str) -> None:
+    """mirrored's step replaces Keras' `train_step` / `test_step` / `predict_step`: a model
+    that overrides one would silently not run its own."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    name = f"{kind}_step"
+    if getattr(type(model), name) is getattr(JAXTrainer, name):
+        return
+    owner = next(c for c in type(model).__mro__ if name in vars(c))
+    raise NotImplementedError(
+        f"Expected a model that leaves Keras' {name} as it is under a mirrored strategy; found "
+        f"{owner.__name__}.{name}, which mirrored's step (split over the replicas, losses over "
+        "the global batch) would not call: your step would silently not run. Fix: move the "
+        "loss into an override of compute_loss (and metrics into compute_metrics), which "
+        "mirrored's step calls; or run your step's body in a custom loop with strategy.run "
+        "and mirrored.keras.value_and_grad (docs/keras.md)."
+    )
+
+
 def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterator[Any]], Any]:
     """Keras' `train_function` / `test_function` / `predict_function` for `model` on `strategy`."""
+    _refuse_overridden_step(model, kind)
     if kind == "train" and (warning := logits_trap(model)):
         logger.warning(warning)
     step = _Step(model, strategy, kind)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import weakref
@@ -63,6 +64,9 @@ def _initialize_layout(original: Callable[[Any], None]) -> Callable[[Any], None]
 # -- losses -------------------------------------------------------------------------------------
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+# Inside `whole_loss`: the model's `compute_loss` is divided by N as a whole, so its parts
+# are the global batch's values, not shares of them.
+_WHOLE: contextvars.ContextVar[bool] = contextvars.ContextVar("mirrored_whole_loss", default=False)
 
 
 def _loss_call(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,14 +75,49 @@ def _loss_call(original: Callable[..., Any]) -> Callable[..., Any]:
         ctx = split_context()
         if ctx is None or self.reduction not in (*_MEAN_REDUCTIONS, "sum"):
             return original(self, y_true, y_pred, sample_weight)
-        return _replica_loss(self, ctx, y_true, y_pred, sample_weight)
+        scale = ctx.num_replicas_in_sync if _WHOLE.get() else 1
+        return _replica_loss(self, ctx, y_true, y_pred, sample_weight, scale=scale)
 
     return __call__
 
 
-def _replica_loss(loss: Any, ctx: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> Any:
+@contextlib.contextmanager
+def whole_loss(model: Any, ctx: _context.ReplicaContext) -> Iterator[None]:
+    """`fit`'s step on a split batch: the model's `compute_loss`, divided by N as a whole.
+
+    Keras' losses in it give N times this replica's share of the global batch's loss (the
+    global loss, estimated by this replica), `model.losses` the regularization as on one
+    device. What a `compute_loss` override adds itself (a weight penalty, a scale) is then
+    counted once over the replicas, not N times, as when every part is a share of its own;
+    summed over replicas, the loss is exactly one device's for any affine combination of its
+    parts. (Under TensorFlow only Keras' own parts are scaled, so a penalty added by hand
+    trains with N times its gradient.)
+    """
+    compute_loss = model.compute_loss
+    n = ctx.num_replicas_in_sync
+
+    def divided(*args: Any, **kwargs: Any) -> Any:
+        token = _WHOLE.set(True)
+        try:
+            total = compute_loss(*args, **kwargs)
+        finally:
+            _WHOLE.reset(token)
+        ctx.mark_replica_aware()  # scaled for the sum over replicas
+        return total if total is None else total / n
+
+    object.__setattr__(model, "compute_loss", divided)
+    try:
+        yield
+    finally:
+        object.__delattr__(model, "compute_loss")
+
+
+def _replica_loss(
+    loss: Any, ctx: Any, y_true: Any, y_pred: Any, sample_weight: Any, *, scale: int = 1
+) -> Any:
     """This replica's share of the loss over the global batch: summed over replicas (as the
-    gradients of mirrored weights are), it is the loss of the whole batch on one device."""
+    gradients of mirrored weights are), it is the loss of the whole batch on one device
+    (`scale` times the share inside `whole_loss`)."""
     in_mask = backend.get_keras_mask(y_pred)
     with ops.name_scope(loss.name):
         y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred)
@@ -117,7 +156,7 @@ def _replica_loss(loss: Any, ctx: Any, y_true: Any, y_pred: Any, sample_weight: 
     if weights is not None:
         values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
         values = values * weights
-    total = ops.sum(values)
+    total = ops.sum(values) * scale
     if loss.reduction == "sum":
         return total
     if loss.reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -147,7 +186,7 @@ def _aggregate_additional_loss(original: Callable[..., Any]) -> Callable[..., An
     def aggregate(self: Any, loss: Any) -> Any:
         total = original(self, loss)
         ctx = split_context()
-        if ctx is None:
+        if ctx is None or _WHOLE.get():  # whole_loss divides the whole loss by N
             return total
         # Every replica adds the same regularization: divided by N, the sum over replicas
         # counts it once (TensorFlow's scale_regularization_loss).
