@@ -5,8 +5,10 @@
   GLOBAL batch's real rows (as Keras' own loops do under a TensorFlow strategy), metrics leave
   padded rows out, BatchNormalization leaves them out of its statistics (and, with
   `synchronized=True`, computes them over the global batch), `add_loss` / weight regularization
-  losses are divided by the replica count (TensorFlow's `scale_regularization_loss`), and
-  activity regularization counts the global batch's real rows once.
+  losses are divided by the replica count (TensorFlow's `scale_regularization_loss`),
+  activity regularization counts the global batch's real rows once, and recurrent layers'
+  initial states vary across replicas as their later states do.
+- In `fit`'s step, a model's `compute_loss` is divided by the replica count as a whole.
 - `compile`, `fit`, `evaluate`, `predict` and the `*_on_batch` calls of a model tied to a
   strategy (created or compiled in its scope) run data-parallel on it.
 """
@@ -138,24 +140,11 @@ def _replica_loss(
     weights = None if rows is None else ops.cast(rows, loss.dtype)
     if sample_weight is not None:
         sample_weight = ops.cast(sample_weight, loss.dtype)
-        if weights is not None:
-            sample_weight, weights = loss_module.squeeze_or_expand_to_same_rank(
-                sample_weight, weights
-            )
-            weights = sample_weight * weights
-        else:
-            weights = sample_weight
+        weights = sample_weight if weights is None else _times(sample_weight, weights)
     if element_mask is not None:
-        if weights is None:
-            weights = element_mask
-        else:
-            element_mask, weights = loss_module.squeeze_or_expand_to_same_rank(
-                element_mask, weights
-            )
-            weights = weights * element_mask
+        weights = element_mask if weights is None else _times(element_mask, weights)
     if weights is not None:
-        values, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
-        values = values * weights
+        values = _times(values, weights)
     total = ops.sum(values) * scale
     if loss.reduction == "sum":
         return total
@@ -176,6 +165,18 @@ def _replica_loss(
     return ops.divide_no_nan(total, ops.cast(divisor, loss.dtype))
 
 
+def _times(a: Any, b: Any) -> Any:
+    """`a * b` for per-element values and weights of the same leading (row) axis: Keras'
+    rank matching first (a trailing axis of 1), then a per-row one over the other's trailing
+    axes (a sequence model's per-token loss times the padded-row mask)."""
+    a, b = loss_module.squeeze_or_expand_to_same_rank(a, b)
+    if a.ndim > b.ndim:
+        b = ops.reshape(b, tuple(b.shape) + (1,) * (a.ndim - b.ndim))
+    elif b.ndim > a.ndim:
+        a = ops.reshape(a, tuple(a.shape) + (1,) * (b.ndim - a.ndim))
+    return a * b
+
+
 def _broadcast(rows: Any, like: Any) -> Any:
     rows = ops.cast(rows, like.dtype)
     return ops.reshape(rows, (rows.shape[0],) + (1,) * (like.ndim - 1))
@@ -193,6 +194,32 @@ def _aggregate_additional_loss(original: Callable[..., Any]) -> Callable[..., An
         return total / ctx.num_replicas_in_sync
 
     return aggregate
+
+
+def _rnn(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras' JAX `rnn` (every recurrent layer's loop, a `lax.scan`) on a split batch.
+
+    The initial states are zeros, the same on every replica; after a step on the replica's
+    rows they differ, and JAX's scan refuses a carry whose replica-variance changes (LSTM,
+    GRU and SimpleRNN failed inside `fit` with "carry input and carry output must have equal
+    types"). The states are marked as varying from the start, as the new states will be.
+    """
+
+    @functools.wraps(original)
+    def rnn(step_function: Any, inputs: Any, initial_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if split_context() is not None and any(
+            _context.is_varying(x) for x in tree.flatten(inputs)
+        ):
+            initial_states = tree.map_structure(_varying, initial_states)
+        return original(step_function, inputs, initial_states, *args, **kwargs)
+
+    return rnn
+
+
+def _varying(x: Any) -> Any:
+    if x is None or _context.is_varying(x):
+        return x
+    return jax.lax.pcast(x, (REPLICA_AXIS,), to="varying")
 
 
 def _activity_loss(regularizer: Any, ctx: _context.ReplicaContext, output: Any) -> Any:
@@ -551,6 +578,7 @@ def install() -> None:
         trainer._aggregate_additional_loss
     )
     keras.layers.Layer.activity_regularizer = _ActivityRegularizer()  # type: ignore[assignment]
+    keras.src.backend.rnn = _rnn(keras.src.backend.rnn)
     norm = keras.layers.BatchNormalization
     norm.__init__ = _batch_norm_init(norm.__init__)
     norm._moments = _batch_norm_moments(norm._moments)
