@@ -203,3 +203,43 @@ def test_rngs_must_be_nnx_rngs():
     strategy = mirrored.MirroredStrategy(jax.devices())
     with strategy.scope(), pytest.raises(TypeError, match="Expected rngs to be an nnx.Rngs"):
         mirrored.Trainer(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), optax.sgd(0.1), "mse", rngs=0)
+
+
+class _Recurrent(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(20, 6, rngs=rngs)
+        self.lstm = nnx.RNN(nnx.LSTMCell(6, 5, rngs=rngs))
+        self.gru = nnx.RNN(nnx.GRUCell(5, 4, rngs=rngs), reverse=True, keep_order=True)
+        self.out = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.gru(self.lstm(self.embed(tokens)))[:, -1])
+
+
+def test_flax_recurrent_layers_train_on_8_replicas_as_on_one_device(devices):
+    """nnx.RNN's zero carry is the same on every replica and its scan's output carry is not:
+    JAX refused the step ("carry input and carry output must have equal types")."""
+    tokens = RNG.integers(0, 20, size=(21, 6)).astype(np.int32)
+    batches = [(tokens[i : i + 8], Y[i : i + 8]) for i in range(0, 21, 8)]
+
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+            return mirrored.compute_average_loss(per_example)
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    model = _Recurrent(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    jitted = nnx.jit(step)
+    for x, y in batches:  # one device: compute_average_loss outside run divides by the batch
+        jitted(model, optimizer, x, y)
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        ours = _Recurrent(nnx.Rngs(0))
+        ours_optimizer = nnx.Optimizer(ours, optax.sgd(0.5), wrt=nnx.Param)
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(ours, ours_optimizer, x, y))
+    expected, got = params_of(model), params_of(ours)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, atol=1e-6, err_msg=name)

@@ -103,6 +103,13 @@ def is_varying(x: Any) -> bool:
     return REPLICA_AXIS in varying_axes(x)
 
 
+def as_varying(x: Any) -> Any:
+    """`x`, typed as differing between replicas (a scan carry that will, after a step)."""
+    if x is None or is_varying(x):
+        return x
+    return jax.lax.pcast(x, (REPLICA_AXIS,), to="varying")
+
+
 def _invariant_error(op: ReduceOp, path: str) -> ValueError:
     effect = "multiply it by the replica count" if op is ReduceOp.SUM else "do nothing"
     return ValueError(

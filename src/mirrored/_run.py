@@ -741,6 +741,7 @@ class Runner:
             try:
                 # A padded batch: BatchNorm statistics and Flax metrics leave padded rows out.
                 with contextlib.ExitStack() as patches:
+                    patches.enter_context(layers.varying_rnn_carries())
                     if checking:
                         patches.enter_context(_capturing_gradients(gradients))
                     if flax_metrics:

@@ -210,16 +210,10 @@ def _rnn(original: Callable[..., Any]) -> Callable[..., Any]:
         if split_context() is not None and any(
             _context.is_varying(x) for x in tree.flatten(inputs)
         ):
-            initial_states = tree.map_structure(_varying, initial_states)
+            initial_states = tree.map_structure(_context.as_varying, initial_states)
         return original(step_function, inputs, initial_states, *args, **kwargs)
 
     return rnn
-
-
-def _varying(x: Any) -> Any:
-    if x is None or _context.is_varying(x):
-        return x
-    return jax.lax.pcast(x, (REPLICA_AXIS,), to="varying")
 
 
 def _activity_loss(regularizer: Any, ctx: _context.ReplicaContext, output: Any) -> Any:
