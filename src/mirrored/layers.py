@@ -258,16 +258,18 @@ def _rnn_call(self: nnx.RNN, inputs: Any, *, initial_carry: Any = None, **kwargs
 
     Flax's carry starts as zeros, the same on every replica; after a step on the replica's
     rows it differs, and JAX's scan refuses a carry whose replica-variance changes ("carry
-    input and carry output must have equal types"). An explicit `initial_carry` is the
-    caller's.
+    input and carry output must have equal types"). An explicit `initial_carry` (a learned
+    one: its gradient is then summed over replicas, as any mirrored parameter's) too.
     """
     ctx = _context.current_replica_context()
     if (
-        initial_carry is not None
-        or ctx is None
+        ctx is None
         or not ctx.in_spmd
         or not any(_context.is_varying(x) for x in jax.tree.leaves(inputs))
     ):
+        return _flax_rnn_call(self, inputs, initial_carry=initial_carry, **kwargs)
+    if initial_carry is not None:
+        initial_carry = jax.tree.map(_context.as_varying, initial_carry)
         return _flax_rnn_call(self, inputs, initial_carry=initial_carry, **kwargs)
     owner = next(c for c in type(self.cell).__mro__ if "initialize_carry" in vars(c))
     initialize = vars(owner)["initialize_carry"]
