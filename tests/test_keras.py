@@ -40,14 +40,30 @@ def _sequential(*, dropout=0.0, norm=None, input_shape=True):
     return keras.Sequential(layers)
 
 
-def _compiled(**kwargs):
-    model = _sequential(**kwargs)
+def _compile(model, **options):
     model.compile(
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        **options,
     )
     return model
+
+
+def _compiled(**kwargs):
+    return _compile(_sequential(**kwargs))
+
+
+def _fit_plain_and_mirrored(build, devices, y=Y):
+    """`build()`'s model fit for 2 epochs as plain Keras on one device, and in the scope of a
+    strategy over `devices`: (plain model, its history, mirrored model, its history)."""
+    reference = build()
+    expected = reference.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = build()
+    history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    return reference, expected, model, history
 
 
 def _max_diff(a, b):
@@ -98,14 +114,8 @@ def test_steps_per_execution_trains_and_evaluates_as_one_device(reference, devic
     """Keras' JAX loop calls the step K times per execution; the ragged batch ends a group."""
     weights, history, evaluation, _ = reference
     strategy = mirrored.MirroredStrategy(devices)
-    with strategy.scope():
-        model = _compiled()
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            steps_per_execution=4,  # 9 batches an epoch: groups of 4, 4 and 1
-        )
+    with strategy.scope():  # 9 batches an epoch: groups of 4, 4 and 1
+        model = _compile(_sequential(), steps_per_execution=4)
     ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
     assert _max_diff(model.get_weights(), weights) <= 1e-5
     for name in ("loss", "accuracy"):
@@ -126,24 +136,13 @@ def _penalized():
     keras.utils.set_random_seed(1)
     inputs = keras.Input((20,))
     hidden = keras.layers.Dense(32, activation="relu", kernel_regularizer="l2")(inputs)
-    model = _PenalizedLoss(inputs, keras.layers.Dense(10)(hidden))
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return _compile(_PenalizedLoss(inputs, keras.layers.Dense(10)(hidden)))
 
 
 def test_a_compute_loss_override_counts_what_it_adds_once_as_on_one_device(devices, caplog):
     """What the override adds by hand (the penalty, the constant) is the same on every
     replica: counted N times it would train with 8x its gradient, with no error."""
-    ref = _penalized()
-    expected = ref.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    strategy = mirrored.MirroredStrategy(devices)
-    with strategy.scope():
-        model = _penalized()
-    history = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    ref, expected, model, history = _fit_plain_and_mirrored(_penalized, devices)
     assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
     for name in ("loss", "accuracy"):
         assert history[name] == pytest.approx(expected[name], abs=1e-5)
@@ -235,12 +234,7 @@ def test_two_outputs_and_regularizers_log_and_train_as_one_device_ragged_batch_i
     """Each output's loss in the logs (Keras' per-output trackers), weight and activity
     regularization in the gradients: all as plain Keras on one device."""
     y = {"cls": Y, "reg": X[:, :1] * 2.0}
-    reference = _two_outputs()
-    expected = reference.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    strategy = mirrored.MirroredStrategy(devices)
-    with strategy.scope():
-        model = _two_outputs()
-    history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
+    reference, expected, model, history = _fit_plain_and_mirrored(_two_outputs, devices, y)
     assert set(history) == {"loss", "cls_loss", "reg_loss", "cls_accuracy", "reg_mae"}
     for name, values in expected.items():
         assert history[name] == pytest.approx(values, abs=1e-5), name
