@@ -89,6 +89,24 @@ def patched_attribute(cls: type, name: str, replacement: Any) -> Iterator[None]:
                 setattr(cls, name, _patches.pop(key)[1])
 
 
+@contextlib.contextmanager
+def instance_attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name` is `value` while the block runs (set past the object's own `__setattr__`,
+    which Keras and Flax track); an attribute the instance held before is back after it."""
+    before = vars(obj).get(name, _ABSENT)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        if before is _ABSENT:
+            object.__delattr__(obj, name)
+        else:
+            object.__setattr__(obj, name, before)
+
+
+_ABSENT = object()
+
+
 def varying_axes(x: Any) -> frozenset[str]:
     """Mesh axes over which a traced value may differ between shards (its "vma")."""
     aval = jax.typeof(x)

@@ -575,8 +575,7 @@ class Runner:
                 _write(variable, value)
             guard.written = new_state
             self._bound_dispatch(token)
-            first = self._steps_run.get(program.fn_key, 0)  # this call's first step
-            self._steps_run[program.fn_key] = first + program.steps
+            first = self._count_steps(program)
             if program.checked:
                 flags.copy_to_host_async()  # on the host by the time it is looked at
                 self._pending.append((program, flags, first))
@@ -643,6 +642,12 @@ class Runner:
             owned.append(jnp.copy(x) if id(x) in seen else x)
             seen.add(id(x))
         return owned
+
+    def _count_steps(self, program: _Program) -> int:
+        """Count a call's steps of its step function; returns the number of its first."""
+        first = self._steps_run.get(program.fn_key, 0)
+        self._steps_run[program.fn_key] = first + program.steps
+        return first
 
     def _bound_dispatch(self, token: jax.Array) -> None:
         # Simulated CPU devices deadlock in collectives when too many steps are queued; real
@@ -1365,7 +1370,7 @@ class Direct:
                 [values[i] for i in self._order], split, [first._count]
             )
             runner._bound_dispatch(token)
-        runner._steps_run[program.fn_key] = runner._steps_run.get(program.fn_key, 0) + 1
+        runner._count_steps(program)
         guard.written = new_state  # what the Variables will be given, if the full path runs
         new = list(values)
         for value, i in zip(new_state, self._order, strict=True):

@@ -83,40 +83,32 @@ def _rows(x: Any) -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def _output_loss_trackers(model: Any, rows: Any, total_rows: Any) -> Iterator[None]:
-    """A multi-output model's per-output loss trackers (`cls_loss`, ...) while the loss is
-    computed: Keras adds each output's loss times `y_pred.shape[0]` (under TensorFlow the
-    replica's share times N, `unscale_loss_for_distribution`), which here would count a
-    replica's share of the mean and the padded rows. They are kept as the loss tracker is
-    (`_track_loss`): the share times the global real rows, and the real rows."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    trackers = [m for m in getattr(compile_loss, "metrics", None) or [] if m is not None]
+def _fit_loss(model: Any, rows: Any, total_rows: Any) -> Iterator[None]:
+    """While `fit`'s step computes the loss: `_patches.whole_loss` on a split batch (nothing on
+    an unsplit one, `verify`'s one device), and a multi-output model's per-output loss
+    trackers (`cls_loss`, ...) kept as the loss tracker is.
+
+    Keras adds each output's loss times `y_pred.shape[0]` (under TensorFlow the replica's
+    share times N, `unscale_loss_for_distribution`), which here would count the padded rows.
+    Inside `whole_loss` each output's loss is N times the replica's share: the trackers get
+    the share (`_track_loss`: times the global real rows, and the real rows)."""
     ctx = _patches.split_context()
     n = 1 if ctx is None else ctx.num_replicas_in_sync
-    saved = [vars(m).get("update_state") for m in trackers]
-    for tracker in trackers:
+    compile_loss = getattr(model, "_compile_loss", None)
+    trackers = [m for m in getattr(compile_loss, "metrics", None) or [] if m is not None]
+    with contextlib.ExitStack() as stack:
+        if ctx is not None:
+            stack.enter_context(_patches.whole_loss(model, ctx))
+        for tracker in trackers:
 
-        def update_state(values: Any, sample_weight: Any = None, *, tracker: Any = tracker) -> None:
-            del sample_weight  # y_pred.shape[0]: the padded rows
-            # Inside `_whole_loss`, each output's loss is N times the replica's share.
-            _track_loss(tracker, values / n, rows, total_rows)
+            def update_state(
+                values: Any, sample_weight: Any = None, *, tracker: Any = tracker
+            ) -> None:
+                del sample_weight  # y_pred.shape[0]: the padded rows
+                _track_loss(tracker, values / n, rows, total_rows)
 
-        object.__setattr__(tracker, "update_state", update_state)
-    try:
+            stack.enter_context(_context.instance_attribute(tracker, "update_state", update_state))
         yield
-    finally:
-        for tracker, before in zip(trackers, saved, strict=True):
-            if before is None:
-                object.__delattr__(tracker, "update_state")
-            else:
-                object.__setattr__(tracker, "update_state", before)
-
-
-def _whole_loss(model: Any) -> contextlib.AbstractContextManager[None]:
-    """`_patches.whole_loss` on a split batch; nothing on an unsplit one (`verify`'s one
-    device)."""
-    ctx = _patches.split_context()
-    return contextlib.nullcontext() if ctx is None else _patches.whole_loss(model, ctx)
 
 
 class _Step:
@@ -194,7 +186,7 @@ class _Step:
         if self.kind == "train":
             trainable, non_trainable, optimizer_vars, metric_vars = groups
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            with _output_loss_trackers(model, rows, total_rows), _whole_loss(model):
+            with _fit_loss(model, rows, total_rows):
                 (_, aux), grads = grad_fn(
                     trainable,
                     non_trainable,
@@ -212,7 +204,7 @@ class _Step:
             new = [*trainable, *non_trainable, *optimizer_vars]
         else:
             trainable, non_trainable, metric_vars = groups
-            with _output_loss_trackers(model, rows, total_rows), _whole_loss(model):
+            with _fit_loss(model, rows, total_rows):
                 loss, aux = model.compute_loss_and_updates(
                     trainable, non_trainable, metric_vars, x, y, sample_weight, training=False
                 )
@@ -276,7 +268,7 @@ def _track_loss(tracker: Any, share: Any, rows: Any, total_rows: Any) -> None:
     replicas, so XLA sends these sums in the gradients' all-reduce (one per step, measured)
     instead of a second one after it. A tracker that is not Keras' own `Mean` gets the
     global loss, summed first, through its class's `update_state` (not the instance's, which
-    `_output_loss_trackers` replaces with this function)."""
+    `_fit_loss` replaces with this function)."""
     import keras
 
     if type(tracker) is keras.metrics.Mean:

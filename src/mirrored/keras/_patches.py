@@ -107,15 +107,8 @@ def whole_loss(model: Any, ctx: _context.ReplicaContext) -> Iterator[None]:
         ctx.mark_replica_aware()  # scaled for the sum over replicas
         return total if total is None else total / n
 
-    own = vars(model).get("compute_loss")  # an instance's own, if it set one
-    object.__setattr__(model, "compute_loss", divided)
-    try:
+    with _context.instance_attribute(model, "compute_loss", divided):
         yield
-    finally:
-        if own is None:
-            object.__delattr__(model, "compute_loss")
-        else:
-            object.__setattr__(model, "compute_loss", own)
 
 
 def _replica_loss(
