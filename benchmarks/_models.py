@@ -14,9 +14,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mirrored._bench import MLP as MLP  # one definition of the models, re-exported
-from mirrored._bench import MODELS as MODELS
-from mirrored._bench import train_step as train_step
+from mirrored._cli.bench import MLP as MLP  # one definition of the models, re-exported
+from mirrored._cli.bench import MODELS as MODELS
+from mirrored._cli.bench import train_step as train_step
 
 
 def synthetic_batches(batch: int, count: int = 4, seed: int = 0) -> list[tuple[np.ndarray, ...]]:

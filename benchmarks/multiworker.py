@@ -90,7 +90,7 @@ def main() -> None:
     if args.worker_out:
         worker(args.worker_out, args.steps)
         return
-    from mirrored._launch import launch
+    from mirrored._cluster.launch import launch
 
     rows = []
     for processes, devices in ((2, 1), (1, 2)):

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 import mirrored
-from mirrored._leaves import raw_array
+from mirrored._core.leaves import raw_array
 
 
 def subprocess_env() -> dict[str, str]:

@@ -150,7 +150,7 @@ def test_padded_rows_do_not_move_batch_statistics_even_when_extreme(monkeypatch)
     """Padded rows are copies of real ones; make them 1e6 instead: no statistic moves."""
     strategy = mirrored.MirroredStrategy(jax.devices())
     full, x = data((16,), seed=3)[0][0], data((13,), seed=3)[0][0]
-    pad_to = mirrored._batching.pad_to
+    pad_to = mirrored._data.batching.pad_to
 
     def poisoned(leaves, rows, size, fill=None):
         return [
@@ -162,7 +162,7 @@ def test_padded_rows_do_not_move_batch_statistics_even_when_extreme(monkeypatch)
     for norm in ("plain", "sync"):
         for poison in (False, True):
             if poison:
-                monkeypatch.setattr(mirrored._batching, "pad_to", poisoned)
+                monkeypatch.setattr(mirrored._data.batching, "pad_to", poisoned)
             with strategy.scope():
                 model = Net(norm)
             (_, (xb,)) = list(strategy.experimental_distribute_dataset([(full,), (x,)]))

@@ -13,7 +13,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import assert_bit_identical_on_devices
-from mirrored import _doctor
+from mirrored._cli import doctor as _doctor
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cnn_digits.py"
 _spec = importlib.util.spec_from_file_location("cnn_digits", EXAMPLE)

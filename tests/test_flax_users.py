@@ -115,7 +115,7 @@ def test_evaluate_predict_and_fits_validation_call_keras_hooks():
 
 
 def test_doctor_step_imports_its_sibling_and_checks_a_dict_batch(tmp_path, monkeypatch):
-    from mirrored import _doctor
+    from mirrored._cli import doctor as _doctor
 
     project = tmp_path / "project"
     project.mkdir()

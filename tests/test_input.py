@@ -18,7 +18,8 @@ from _helpers import (
     train_single_device,
     train_step,
 )
-from mirrored import _batching, _input
+from mirrored._data import batching as _batching
+from mirrored._data import input as _input
 
 
 @pytest.fixture

@@ -263,7 +263,7 @@ def test_a_flax_metric_that_is_not_a_sum_is_refused_with_the_fix(strategy):
     with strategy.scope():
         welford = nnx.metrics.Welford()
     ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
-    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="Welford.*not a sum"):
+    with pytest.raises(mirrored._run.runner.ReplicaDivergenceError, match="Welford.*not a sum"):
         strategy.run(lambda m, v: m.update(values=v), args=(welford, v))
 
 
@@ -334,7 +334,7 @@ def test_a_users_own_flax_sum_metric_inside_run_equals_one_device(strategy, capl
     assert SumOfSquares.update.__name__ == "update"  # patched only while tracing
     with strategy.scope():
         decayed = DecayedMean()
-    with pytest.raises(mirrored._run.ReplicaDivergenceError, match="not a sum"):
+    with pytest.raises(mirrored._run.runner.ReplicaDivergenceError, match="not a sum"):
         strategy.run(lambda m, v: m.update(values=v), args=(decayed, v))
 
 

@@ -109,13 +109,13 @@ def test_loss_scale_state_is_checkpointed(devices, tmp_path):
 
 @pytest.fixture(scope="module")
 def digits():
-    from mirrored._demo import load_digits_split
+    from mirrored._cli.demo import load_digits_split
 
     return load_digits_split()
 
 
 def _digits_accuracy(devices, digits, policy):
-    from mirrored._demo import DigitsMLP
+    from mirrored._cli.demo import DigitsMLP
 
     x, y, xt, yt = digits
     strategy = mirrored.MirroredStrategy(devices)

@@ -12,7 +12,7 @@ import pytest
 
 import mirrored
 from _helpers import subprocess_env
-from mirrored._multiworker import resolve_cluster
+from mirrored._cluster.multiworker import resolve_cluster
 
 HERE = Path(__file__).resolve().parent
 
@@ -207,7 +207,7 @@ def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path, two_proce
 @pytest.mark.slow
 def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
     """Without the launcher: the survivor itself must turn the loss of its peer into an error."""
-    from mirrored._launch import free_port
+    from mirrored._cluster.launch import free_port
 
     port = free_port()
     env = subprocess_env()

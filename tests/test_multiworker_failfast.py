@@ -16,9 +16,9 @@ from jax._src import clusters
 
 import mirrored
 from _helpers import subprocess_env
-from mirrored._launch import free_port, is_gloo_noise
-from mirrored._multiworker import resolve_cluster
-from mirrored._rendezvous import initialization_seconds
+from mirrored._cluster.launch import free_port, is_gloo_noise
+from mirrored._cluster.multiworker import resolve_cluster
+from mirrored._cluster.rendezvous import initialization_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGY = "import mirrored; mirrored.MultiWorkerMirroredStrategy({})"

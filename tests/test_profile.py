@@ -17,7 +17,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import SmallMLP, global_batches, params_of, train_step
-from mirrored import _profile
+from mirrored._proof import profile as _profile
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = global_batches(8, 64)

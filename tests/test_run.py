@@ -21,7 +21,7 @@ from _helpers import (
     train_single_device,
     train_step,
 )
-from mirrored._mesh import REPLICA_AXIS as AXIS
+from mirrored._core.mesh import REPLICA_AXIS as AXIS
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

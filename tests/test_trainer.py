@@ -19,7 +19,7 @@ from _helpers import (
     subprocess_env,
     train_single_device,
 )
-from mirrored import _tensorboard
+from mirrored._train import tensorboard as _tensorboard
 
 HERE = Path(__file__).resolve().parent
 

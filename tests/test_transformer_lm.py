@@ -15,7 +15,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import assert_bit_identical_on_devices, params_of, subprocess_env
-from mirrored import _doctor
+from mirrored._cli import doctor as _doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 

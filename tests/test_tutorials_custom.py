@@ -22,7 +22,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import assert_bit_identical_on_devices, subprocess_env
-from mirrored._launch import free_port
+from mirrored._cluster.launch import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _spec = importlib.util.spec_from_file_location(

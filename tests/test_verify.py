@@ -12,7 +12,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import SmallMLP, global_batches, subprocess_env, train_step
-from mirrored import _verify
+from mirrored._proof import verify as _verify
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,27 +1,29 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
 from mirrored import callbacks, config, debug, layers, losses, metrics, mixed_precision
-from mirrored._checkpoint import (
-    checkpoint_extras,
-    latest_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-)
-from mirrored._context import ReplicaContext
-from mirrored._input import DistributedDataset, InputContext, InputOptions
-from mirrored._losses import compute_average_loss, scale_regularization_loss
-from mirrored._mesh import REPLICA_AXIS
-from mirrored._multiworker import (
+from mirrored._cluster.multiworker import (
     ClusterResolver,
     EnvironmentClusterResolver,
     MultiWorkerMirroredStrategy,
     SlurmClusterResolver,
     TFConfigClusterResolver,
 )
-from mirrored._platform import simulate_cpu_devices
-from mirrored._profile import ProfileReport, profile
-from mirrored._run import PeerFailureError, PythonBranchError, ReplicaDivergenceError
-from mirrored._strategy import (
+from mirrored._core.context import ReplicaContext
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._core.platform import simulate_cpu_devices
+from mirrored._core.values import PerReplica, ReduceOp, ValueContext
+from mirrored._data.input import DistributedDataset, InputContext, InputOptions
+from mirrored._persist.checkpoint import (
+    checkpoint_extras,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from mirrored._proof.profile import ProfileReport, profile
+from mirrored._proof.verify import Check, Report, verify
+from mirrored._run.runner import PeerFailureError, PythonBranchError, ReplicaDivergenceError
+from mirrored._strategy.losses import compute_average_loss, scale_regularization_loss
+from mirrored._strategy.strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
     Strategy,
@@ -30,13 +32,11 @@ from mirrored._strategy import (
     has_strategy,
     in_cross_replica_context,
 )
-from mirrored._trainer import Trainer
-from mirrored._values import PerReplica, ReduceOp, ValueContext
-from mirrored._verify import Check, Report, verify
+from mirrored._train.trainer import Trainer
 
 __version__ = "0.1.0"
 
-from mirrored import _keras_hook
+from mirrored import _keras_autoload as _keras_hook
 
 _keras_hook.install()  # mirrored.keras, once Keras (JAX backend) is imported; never imports it
 

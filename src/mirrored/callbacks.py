@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored import _checkpoint, _learning_rate
-from mirrored._strategy import to_host
-from mirrored._tensorboard import EventWriter
+from mirrored._optim import learning_rate as _learning_rate
+from mirrored._persist import checkpoint as _checkpoint
+from mirrored._strategy.strategy import to_host
+from mirrored._train.tensorboard import EventWriter
 
 if TYPE_CHECKING:
-    from mirrored._trainer import Trainer
+    from mirrored._train.trainer import Trainer
 
 logger = logging.getLogger("mirrored")
 
@@ -842,7 +843,7 @@ class TensorBoard(Callback):
     def on_train_batch_begin(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
         if self._profile is None:
             return
-        from mirrored import _profile
+        from mirrored._proof import profile as _profile
 
         if self._global_batch + 1 == self._profile[0]:
             self._tracer = _profile.Tracer(os.path.join(self.log_dir, "train"))
@@ -891,7 +892,7 @@ class TensorBoard(Callback):
         self._writers = {}
 
     def _stop_profile(self) -> None:
-        from mirrored import _profile
+        from mirrored._proof import profile as _profile
 
         tracer, self._tracer = self._tracer, None
         trainer = self.trainer

@@ -55,7 +55,7 @@ def demo(
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _setup_devices(devices)
-    from mirrored._demo import run_demo
+    from mirrored._cli.demo import run_demo
 
     try:
         run_demo(
@@ -105,8 +105,8 @@ def doctor(
 ) -> None:
     """Prove that training is really distributed: devices, collectives, sync, scale, input."""
     _setup_devices(devices)
-    from mirrored._doctor import builtin_step, user_step
-    from mirrored._verify import verify
+    from mirrored._cli.doctor import builtin_step, user_step
+    from mirrored._proof.verify import verify
 
     try:
         if step:
@@ -132,7 +132,7 @@ def doctor(
 
     profiled = None
     if profile:
-        from mirrored._doctor import profile_step
+        from mirrored._cli.doctor import profile_step
 
         profiled = profile_step(
             strategy, step_fn, args, logdir=profile, steps=profile_steps, batch_size=batch_size
@@ -169,7 +169,7 @@ def bench(
     _setup_devices(devices)
     import json
 
-    from mirrored._bench import MODELS, plot_report, print_report, scaling
+    from mirrored._cli.bench import MODELS, plot_report, print_report, scaling
 
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
@@ -204,7 +204,7 @@ def launch(
     """
     import sys
 
-    from mirrored._launch import launch as run_workers
+    from mirrored._cluster.launch import launch as run_workers
 
     if not ctx.args:
         typer.echo("error: expected a script: mirrored launch -n 2 train.py [args]", err=True)

@@ -46,7 +46,7 @@ def disable_check_numerics() -> None:
     step not looked at yet."""
     global _enabled
     _enabled = False
-    from mirrored import _run
+    from mirrored._run import runner as _run
 
     _run.check_all_pending()
 

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mirrored import _context
-from mirrored._mesh import REPLICA_AXIS
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
 
 __all__ = ["SyncBatchNorm"]
 

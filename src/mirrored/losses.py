@@ -1,6 +1,6 @@
 """Keras-style per-example losses for `mirrored.Trainer`."""
 
-from mirrored._objectives import (
+from mirrored._train.objectives import (
     BinaryCrossentropy,
     CategoricalCrossentropy,
     Loss,

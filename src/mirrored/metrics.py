@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored import _context
+from mirrored._core import context as _context
 
 logger = logging.getLogger("mirrored.metrics")
 

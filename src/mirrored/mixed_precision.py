@@ -1,6 +1,6 @@
 """Mixed precision for mirrored: Keras' policies and a loss-scaling optimizer."""
 
-from mirrored._mixed_precision import (
+from mirrored._optim.mixed_precision import (
     LossScaleOptimizer,
     Policy,
     global_policy,

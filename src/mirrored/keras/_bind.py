@@ -7,7 +7,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mirrored import _capture, _run
+from mirrored._core import capture as _capture
+from mirrored._run import runner as _run
 from mirrored.keras import _bridge
 
 

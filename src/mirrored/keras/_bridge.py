@@ -31,8 +31,10 @@ from flax import nnx
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from mirrored import _capture, _context, metrics
-from mirrored._mesh import REPLICA_AXIS
+from mirrored import metrics
+from mirrored._core import capture as _capture
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
 
 
 class Slot(nnx.Variable):  # type: ignore[type-arg]

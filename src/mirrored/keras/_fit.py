@@ -21,9 +21,13 @@ import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from mirrored import _context, _input, _objectives, _run, config
-from mirrored._mesh import REPLICA_AXIS
-from mirrored._prefetch import Prefetcher
+from mirrored import config
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._data import input as _input
+from mirrored._data.prefetch import Prefetcher
+from mirrored._run import runner as _run
+from mirrored._train import objectives as _objectives
 from mirrored.keras import _bridge, _patches
 
 logger = logging.getLogger("mirrored")

@@ -33,8 +33,10 @@ from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 
-from mirrored import _context, _run, layers
-from mirrored._mesh import REPLICA_AXIS
+from mirrored import layers
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._run import runner as _run
 
 # The strategy each model is tied to (created or compiled in its scope).
 _STRATEGY_OF: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

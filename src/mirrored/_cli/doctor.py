@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 import mirrored
-from mirrored._demo import DigitsMLP, load_digits_split, train_step
+from mirrored._cli.demo import DigitsMLP, load_digits_split, train_step
 
 
 def builtin_step(batch_size: int = 128) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
@@ -73,7 +73,7 @@ def profile_step(
 ) -> Any:
     """`mirrored.profile` of the doctor's step: the built-in one, the user's, or the fit step
     of the compiled Keras model the user's FUNCTION returned."""
-    from mirrored._verify import _keras_prepared
+    from mirrored._proof.verify import _keras_prepared
 
     prepared = _keras_prepared(strategy, step_fn, list(args), batch_size)
     if prepared is not None:

@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from mirrored import layers
-from mirrored._capture import is_state
-from mirrored._devices import device_name
-from mirrored._leaves import is_key, raw_array
-from mirrored._run import ReplicaDivergenceError
-from mirrored._values import PerReplica, is_per_replica
+from mirrored._core.capture import is_state
+from mirrored._core.devices import device_name
+from mirrored._core.leaves import is_key, raw_array
+from mirrored._core.values import PerReplica, is_per_replica
+from mirrored._run.runner import ReplicaDivergenceError
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 
@@ -525,7 +525,7 @@ def verify(
         >>> report = mirrored.verify(strategy, train_step, (model, optimizer, x, y))
         >>> report.print(); assert report.ok
     """
-    from mirrored._strategy import MirroredStrategy
+    from mirrored._strategy.strategy import MirroredStrategy
 
     args = list(args)
     n = strategy.num_replicas_in_sync
@@ -619,7 +619,7 @@ def verify(
 
 def _keras_prepared(strategy: Any, step_fn: Any, args: list[Any], batch_size: int | None) -> Any:
     """A Keras step or model as an explicit step (`mirrored.keras._verify.Prepared`), or None."""
-    from mirrored import _run
+    from mirrored._run import runner as _run
 
     prepared = None
     if _run.keras_bind is not None:  # mirrored.keras is in use: Keras state may be reached
@@ -638,7 +638,7 @@ def _keras_prepared(strategy: Any, step_fn: Any, args: list[Any], batch_size: in
 def _measure_scaling(
     step_fn: Callable[..., Any], args: Sequence[Any], devices: list[Any], steps: int
 ) -> Check:
-    from mirrored._strategy import MirroredStrategy
+    from mirrored._strategy.strategy import MirroredStrategy
 
     n = len(devices)
     counts = sorted({1, *(2**k for k in range(1, n.bit_length()) if 2**k < n), n})

@@ -15,21 +15,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mirrored import (
-    _batching,
-    _checkpoint,
-    _context,
-    _learning_rate,
-    _objectives,
-    _profile,
-    config,
-)
-from mirrored._input import DistributedDataset, source_length
-from mirrored._losses import compute_average_loss, weighted_losses
-from mirrored._mixed_precision import LossScaleOptimizer, Policy, global_policy
-from mirrored._run import peer_failures
-from mirrored._strategy import Strategy, get_strategy, to_host
-from mirrored._values import PerReplica, is_per_replica
+from mirrored import config
+from mirrored._core import context as _context
+from mirrored._core.values import PerReplica, is_per_replica
+from mirrored._data import batching as _batching
+from mirrored._data.input import DistributedDataset, source_length
+from mirrored._optim import learning_rate as _learning_rate
+from mirrored._optim.mixed_precision import LossScaleOptimizer, Policy, global_policy
+from mirrored._persist import checkpoint as _checkpoint
+from mirrored._proof import profile as _profile
+from mirrored._run.runner import peer_failures
+from mirrored._strategy.losses import compute_average_loss, weighted_losses
+from mirrored._strategy.strategy import Strategy, get_strategy, to_host
+from mirrored._train import objectives as _objectives
 from mirrored.callbacks import Callback, CallbackList, History
 
 logger = logging.getLogger("mirrored")
@@ -773,7 +771,7 @@ class Trainer:
         The model and optimizer are not changed (the checks run on copies). Use plain SGD to
         make the single-device equivalence check sensitive to gradient scale.
         """
-        from mirrored._verify import verify
+        from mirrored._proof.verify import verify
 
         dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
         batch = next(iter(dataset.epoch_iterator(1)))

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import mirrored
-from mirrored._devices import device_name
-from mirrored._platform import seconds_since_start
+from mirrored._core.devices import device_name
+from mirrored._core.platform import seconds_since_start
 
 
 class DigitsMLP(nnx.Module):

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from mirrored._mesh import REPLICA_AXIS
-from mirrored._values import ReduceOp
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._core.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored._strategy import Strategy
+    from mirrored._strategy.strategy import Strategy
 
 # The stack of entered scopes, innermost last. A tuple so that every `with` restores exactly
 # the previous value, even across threads and generators.

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mirrored._values import PerReplica
+from mirrored._core.values import PerReplica
 
 # isinstance against nnx.Variable goes through a metaclass hook, and these checks run for every
 # leaf of every step: remember each type's coarse kind. "v" variable, "g" other NNX object,

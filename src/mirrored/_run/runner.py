@@ -26,14 +26,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mirrored import _capture, _context, _fastpath, config, debug, layers, metrics
-from mirrored._leaves import is_leaf as _is_leaf
-from mirrored._leaves import type_kind as _type_kind
-from mirrored._mesh import REPLICA_AXIS, REPLICATED, SPLIT
-from mirrored._values import PerReplica, is_per_replica
+from mirrored import config, debug, layers, metrics
+from mirrored._core import capture as _capture
+from mirrored._core import context as _context
+from mirrored._core.leaves import is_leaf as _is_leaf
+from mirrored._core.leaves import type_kind as _type_kind
+from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
+from mirrored._core.values import PerReplica, is_per_replica
+from mirrored._run import guard as _fastpath
 
 if TYPE_CHECKING:
-    from mirrored._strategy import Strategy
+    from mirrored._strategy.strategy import Strategy
 
 logger = logging.getLogger("mirrored")
 

@@ -21,10 +21,10 @@ from typing import Any
 import jax
 from jax._src.clusters import ClusterEnv, OmpiCluster, SlurmCluster
 
-from mirrored._devices import device_name
-from mirrored._platform import _backends_initialized, simulate_cpu_devices
-from mirrored._rendezvous import initialization_seconds, rendezvous
-from mirrored._strategy import Strategy
+from mirrored._cluster.rendezvous import initialization_seconds, rendezvous
+from mirrored._core.devices import device_name
+from mirrored._core.platform import _backends_initialized, simulate_cpu_devices
+from mirrored._strategy.strategy import Strategy
 
 logger = logging.getLogger("mirrored")
 

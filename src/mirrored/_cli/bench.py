@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 import mirrored
-from mirrored._demo import train_step  # the README's step works for any classifier
+from mirrored._cli.demo import train_step  # the README's step works for any classifier
 
 
 class MLP(nnx.Module):

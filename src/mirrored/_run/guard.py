@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mirrored._leaves import is_leaf, type_kind
+from mirrored._core.leaves import is_leaf, type_kind
 
 _MISSING = object()
 

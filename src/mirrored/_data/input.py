@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _batching
-from mirrored._prefetch import Prefetcher
-from mirrored._values import PerReplica
+from mirrored._core.values import PerReplica
+from mirrored._data import batching as _batching
+from mirrored._data.prefetch import Prefetcher
 
 if TYPE_CHECKING:
-    from mirrored._strategy import Strategy
+    from mirrored._strategy.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored._leaves import is_key, raw_array
+from mirrored._core.leaves import is_key, raw_array
 
 
 def is_chief() -> bool:

@@ -13,10 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _context, _input, _keras_hook, _lowering, _mesh, _run, config
-from mirrored._devices import DeviceLike, device_name, resolve_device, resolve_devices
-from mirrored._run import Runner, peer_failures
-from mirrored._values import PerReplica, ReduceOp, ValueContext, is_per_replica
+from mirrored import _keras_autoload as _keras_hook
+from mirrored import config
+from mirrored._core import context as _context
+from mirrored._core import lowering as _lowering
+from mirrored._core import mesh as _mesh
+from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
+from mirrored._core.values import PerReplica, ReduceOp, ValueContext, is_per_replica
+from mirrored._data import input as _input
+from mirrored._run import runner as _run
+from mirrored._run.runner import Runner, peer_failures
 
 logger = logging.getLogger("mirrored")
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _context
-from mirrored._mesh import REPLICA_AXIS
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
 
 
 def _replicas(fn_name: str) -> int:

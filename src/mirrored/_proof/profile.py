@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from mirrored._verify import FAIL, INFO, PASS, WARN, Check, HasChecks, checks_table
+from mirrored._proof.verify import FAIL, INFO, PASS, WARN, Check, HasChecks, checks_table
 
 COLLECTIVES = (
     "all-reduce",
@@ -268,7 +268,7 @@ class Tracer:
 def _batches(strategy: Any, data: Iterable[Any] | None) -> Iterator[Any] | None:
     if data is None:
         return None
-    from mirrored._input import DistributedDataset
+    from mirrored._data.input import DistributedDataset
 
     if isinstance(data, Iterator) and not isinstance(data, DistributedDataset):
         # A distributed iterator already (iter(dataset)), or a plain one of host batches.
@@ -284,7 +284,7 @@ def _batches(strategy: Any, data: Iterable[Any] | None) -> Iterator[Any] | None:
 
 
 def _is_distributed(batch: Any) -> bool:
-    from mirrored._values import PerReplica, is_per_replica
+    from mirrored._core.values import PerReplica, is_per_replica
 
     return any(isinstance(v, PerReplica) for v in jax.tree.leaves(batch, is_leaf=is_per_replica))
 

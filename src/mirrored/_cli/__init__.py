@@ -1,0 +1,1 @@
+"""Row 9, the `mirrored` command: demo, bench, doctor."""

@@ -1,0 +1,2 @@
+"""Row 5, several processes: cluster resolvers, rendezvous, `MultiWorkerMirroredStrategy`, the
+launcher."""

@@ -1,0 +1,1 @@
+"""Row 2, persistence: Orbax checkpoints, complete or absent."""

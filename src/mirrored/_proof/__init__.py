@@ -1,0 +1,1 @@
+"""Row 5, proof of distribution: `verify`, its checks, `profile`."""

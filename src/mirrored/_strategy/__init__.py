@@ -1,0 +1,2 @@
+"""Row 4, the strategy: `Strategy`, its scope, `run`, `reduce`/`gather`, the current strategy,
+`compute_average_loss`."""

@@ -1,0 +1,1 @@
+"""Row 6, training: `Trainer`, its steps and objectives, Keras-named metrics, callbacks."""
