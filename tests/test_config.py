@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import mirrored
+from mirrored._core import settings
 
 SCRIPT = """
 import json, sys
@@ -117,9 +118,9 @@ def test_set_compilation_cache_in_process(tmp_path):
 
 @pytest.mark.parametrize("value", ["off", "0", "none"])
 def test_off_values(value, monkeypatch):
-    monkeypatch.setattr(mirrored.config, "_decided", False)
+    monkeypatch.setattr(settings, "_decided", False)
     monkeypatch.setenv("MIRRORED_COMPILATION_CACHE", value)
     calls = []
-    monkeypatch.setattr(mirrored.config, "set_compilation_cache", calls.append)
-    mirrored.config.use_default_compilation_cache()
+    monkeypatch.setattr(settings, "set_compilation_cache", calls.append)
+    settings.use_default_compilation_cache()
     assert calls == []

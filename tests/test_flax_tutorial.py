@@ -11,6 +11,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import assert_bit_identical_on_devices, params_of
+from mirrored._nnx import batch_norm
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flax_mnist_tutorial.py"
 _spec = importlib.util.spec_from_file_location("flax_mnist_tutorial", EXAMPLE)
@@ -35,7 +36,7 @@ def _five_steps(strategy, batches):
         rngs = nnx.Rngs(0)
     # Dropout off and BatchNorm on global statistics: one device's numbers are defined.
     train_model = nnx.view(model, deterministic=True, use_running_average=False)
-    with mirrored.layers.synchronized_batch_norm():
+    with batch_norm.synchronized_batch_norm():
         for batch in strategy.experimental_distribute_dataset(batches):
             strategy.run(tutorial.train_step, args=(train_model, optimizer, metrics, rngs, batch))
     return model, {k: float(v) for k, v in metrics.compute().items()}

@@ -12,6 +12,7 @@ from sklearn import metrics as sk
 import mirrored
 from _helpers import assert_bit_identical_on_devices
 from mirrored import metrics as M
+from mirrored._nnx import metrics as flax_rules
 
 RNG = np.random.default_rng(0)
 N = 37  # batches of 16, 16 and a ragged 5: padded on 8 replicas
@@ -256,14 +257,16 @@ def test_flax_average_accuracy_and_multimetric_inside_run_equal_one_device(strat
     assert float(got["loss"]) == pytest.approx(float(want["loss"]), abs=1e-6)
     assert int(ours.accuracy.count[...]) == N  # real rows only
     assert_bit_identical_on_devices(ours)
-    assert nnx.metrics.Average.update is M._flax_average_update  # patched only while tracing
+    assert (
+        nnx.metrics.Average.update is flax_rules._flax_average_update
+    )  # patched only while tracing
 
 
 def test_a_flax_metric_that_is_not_a_sum_is_refused_with_the_fix(strategy):
     with strategy.scope():
         welford = nnx.metrics.Welford()
     ((v,),) = strategy.experimental_distribute_dataset([(np.arange(16, dtype=np.float32),)])
-    with pytest.raises(mirrored._run.runner.ReplicaDivergenceError, match="Welford.*not a sum"):
+    with pytest.raises(mirrored.ReplicaDivergenceError, match="Welford.*not a sum"):
         strategy.run(lambda m, v: m.update(values=v), args=(welford, v))
 
 
@@ -308,7 +311,9 @@ def test_the_jaxpr_check_tells_sums_from_running_means():
             if not isinstance(metric, nnx.metrics.Accuracy)
             else {"logits": jnp.ones((5, 3)), "labels": jnp.zeros(5, jnp.int32)}
         )
-        assert M.adds_to_its_state(update, metric, (), kwargs) is adds, type(metric).__name__
+        assert flax_rules.adds_to_its_state(update, metric, (), kwargs) is adds, type(
+            metric
+        ).__name__
 
 
 def test_a_users_own_flax_sum_metric_inside_run_equals_one_device(strategy, caplog):
@@ -334,7 +339,7 @@ def test_a_users_own_flax_sum_metric_inside_run_equals_one_device(strategy, capl
     assert SumOfSquares.update.__name__ == "update"  # patched only while tracing
     with strategy.scope():
         decayed = DecayedMean()
-    with pytest.raises(mirrored._run.runner.ReplicaDivergenceError, match="not a sum"):
+    with pytest.raises(mirrored.ReplicaDivergenceError, match="not a sum"):
         strategy.run(lambda m, v: m.update(values=v), args=(decayed, v))
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import mirrored
 from _helpers import subprocess_env
-from mirrored._cluster.multiworker import resolve_cluster
+from mirrored._cluster.resolvers import resolve_cluster
 
 HERE = Path(__file__).resolve().parent
 

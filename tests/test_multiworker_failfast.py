@@ -17,8 +17,8 @@ from jax._src import clusters
 import mirrored
 from _helpers import subprocess_env
 from mirrored._cluster.launch import free_port, is_gloo_noise
-from mirrored._cluster.multiworker import resolve_cluster
 from mirrored._cluster.rendezvous import initialization_seconds
+from mirrored._cluster.resolvers import resolve_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGY = "import mirrored; mirrored.MultiWorkerMirroredStrategy({})"

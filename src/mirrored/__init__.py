@@ -1,10 +1,10 @@
 """mirrored: TensorFlow's MirroredStrategy programming model on JAX, Flax NNX and Optax."""
 
 from mirrored import callbacks, config, debug, layers, losses, metrics, mixed_precision
-from mirrored._cluster.multiworker import (
+from mirrored._cluster.multiworker import MultiWorkerMirroredStrategy
+from mirrored._cluster.resolvers import (
     ClusterResolver,
     EnvironmentClusterResolver,
-    MultiWorkerMirroredStrategy,
     SlurmClusterResolver,
     TFConfigClusterResolver,
 )
@@ -21,7 +21,7 @@ from mirrored._persist.checkpoint import (
 )
 from mirrored._proof.profile import ProfileReport, profile
 from mirrored._proof.verify import Check, Report, verify
-from mirrored._run.runner import PeerFailureError, PythonBranchError, ReplicaDivergenceError
+from mirrored._run.errors import PeerFailureError, PythonBranchError, ReplicaDivergenceError
 from mirrored._strategy.losses import compute_average_loss, scale_regularization_loss
 from mirrored._strategy.strategy import (
     MirroredStrategy,
@@ -36,9 +36,9 @@ from mirrored._train.trainer import Trainer
 
 __version__ = "0.1.0"
 
-from mirrored import _keras_autoload as _keras_hook
+from mirrored import _keras_autoload
 
-_keras_hook.install()  # mirrored.keras, once Keras (JAX backend) is imported; never imports it
+_keras_autoload.install()  # mirrored.keras, once Keras (JAX backend) is imported; never imports it
 
 __all__ = [
     "REPLICA_AXIS",

@@ -14,6 +14,8 @@ import sys
 import types
 from typing import Any
 
+from mirrored._core import hooks
+
 logger = logging.getLogger("mirrored")
 _warned = False
 
@@ -76,7 +78,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """At `import mirrored`: the adapter now if Keras is loaded, else when it is."""
+    """At `import mirrored`: the adapter now if Keras is loaded, else when it is (and at every
+    `strategy.scope()`, for a Keras imported while the finder was not yet in place)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+    hooks.on_scope(ensure_adapter)
     ensure_adapter()

@@ -22,7 +22,12 @@ For eager debugging (`print`, `breakpoint()` inside the step) see
 `mirrored.config.run_functions_eagerly`.
 """
 
-from __future__ import annotations
+from mirrored._run.numerics import (
+    NonFiniteError,
+    check_numerics_enabled,
+    disable_check_numerics,
+    enable_check_numerics,
+)
 
 __all__ = [
     "NonFiniteError",
@@ -30,63 +35,3 @@ __all__ = [
     "disable_check_numerics",
     "enable_check_numerics",
 ]
-
-_enabled = False
-
-
-def enable_check_numerics() -> None:
-    """Check every step's outputs, gradients and new state for NaN and infinity (off by
-    default; steps compiled before are compiled again, with the check)."""
-    global _enabled
-    _enabled = True
-
-
-def disable_check_numerics() -> None:
-    """Stop checking (the unchecked programs are used again); first raise for any checked
-    step not looked at yet."""
-    global _enabled
-    _enabled = False
-    from mirrored._run import runner as _run
-
-    _run.check_all_pending()
-
-
-def check_numerics_enabled() -> bool:
-    return _enabled
-
-
-class NonFiniteError(FloatingPointError):
-    """A step produced NaN or infinity; its update was not applied.
-
-    Attributes:
-        step: the step function's step, counting from 0 from its first call on this
-            strategy, checked or not.
-        replicas: where the first non-finite value appeared.
-        stage: `"outputs"`, `"gradients"` or `"state"`, the first of them holding one.
-        path: the first offending leaf of that stage.
-        parameter: the first parameter it reached: its gradient (`"hidden.kernel"`), else
-            its new value (`"model.hidden.kernel"`).
-        paths: every offending leaf, by stage.
-        batch_replicas: replicas whose batch itself held non-finite values.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int,
-        replicas: list[int],
-        stage: str,
-        path: str,
-        parameter: str,
-        paths: dict[str, list[str]],
-        batch_replicas: list[int],
-    ) -> None:
-        super().__init__(message)
-        self.step = step
-        self.replicas = replicas
-        self.stage = stage
-        self.path = path
-        self.parameter = parameter
-        self.paths = paths
-        self.batch_replicas = batch_replicas

@@ -51,7 +51,7 @@ def _point(devices: list[Any], hidden: tuple[int, ...], batch: int, steps: int) 
     first_step = time.perf_counter() - start
     loss = strategy.run(train_step, args=(model, optimizer, *placed[1]))  # warm up
     jax.block_until_ready(loss.global_value)
-    lowered = strategy._runner.lowered(train_step, (model, optimizer, *placed[0]), {})
+    lowered = strategy._lowered(train_step, (model, optimizer, *placed[0]), {})
     cost = lowered.cost_analysis()  # one device's program; every device runs one
     flops = float((cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)) * len(devices)
     start = time.perf_counter()

@@ -77,7 +77,5 @@ def profile_step(
 
     prepared = _keras_prepared(strategy, step_fn, list(args), batch_size)
     if prepared is not None:
-        from mirrored.keras import _bind
-
-        step_fn, args = _bind.Explicit(prepared.step), tuple(prepared.args)
+        step_fn, args = prepared.explicit_step(), tuple(prepared.args)
     return mirrored.profile(strategy, step_fn, args=args, steps=steps, logdir=logdir)

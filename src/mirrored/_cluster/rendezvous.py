@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mirrored._cluster.multiworker import ClusterResolver
+    from mirrored._cluster.resolvers import ClusterResolver
 
 logger = logging.getLogger("mirrored")
 

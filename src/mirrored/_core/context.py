@@ -14,7 +14,7 @@ from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._core.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored._strategy.strategy import Strategy
+    from mirrored._core.hooks import StrategyLike as Strategy
 
 # The stack of entered scopes, innermost last. A tuple so that every `with` restores exactly
 # the previous value, even across threads and generators.

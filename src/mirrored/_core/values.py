@@ -162,3 +162,12 @@ class ValueContext:
             f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array as NumPy on this host, gathering other processes' shards when needed."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -23,7 +23,7 @@ from mirrored._data import batching as _batching
 from mirrored._data.prefetch import Prefetcher
 
 if TYPE_CHECKING:
-    from mirrored._strategy.strategy import Strategy
+    from mirrored._core.hooks import StrategyLike as Strategy
 
 
 @dataclasses.dataclass(frozen=True)

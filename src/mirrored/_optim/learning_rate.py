@@ -19,8 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from mirrored._core.values import to_host
 from mirrored._optim.mixed_precision import LossScaleOptimizer
-from mirrored._strategy.strategy import to_host
 
 NAME = "learning_rate"
 _INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)

@@ -9,7 +9,6 @@ same step, under `extras/`, so they are complete or absent with the state they d
 
 from __future__ import annotations
 
-import contextlib
 import os
 import reprlib
 import shutil
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mirrored._core import hooks
 from mirrored._core.leaves import is_key, raw_array
 
 
@@ -376,13 +376,8 @@ def restore_checkpoint(
     """
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     if _is_keras(optimizer) and not optimizer.built:
-        # A Keras optimizer creates its slots on first use: create them now (mirrored on the
-        # model's strategy), so that they restore.
-        from mirrored.keras import _patches
-
-        strategy = _patches.strategy_of(model)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            optimizer.build(model.trainable_variables)
+        for extension in hooks.extensions:  # Keras creates an optimizer's slots lazily
+            extension.prepare_restore(model, optimizer)
     root, step = _locate(directory, step)
     checkpoints = Checkpoints(root, max_to_keep=None)
     try:

@@ -563,7 +563,7 @@ def _step_collective_bytes(
     """Bytes of each collective of the step's compiled program (the trace names them; the
     program comes from the compilation cache)."""
     try:
-        program = strategy._runner.compiled_text(fn, tuple(args), {})
+        program = strategy._compiled_text(fn, tuple(args), {})
     except Exception:  # the breakdown does not need the bytes; the table shows none then
         return {}
     return collective_bytes(program)

@@ -23,12 +23,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mirrored import layers
+from mirrored._core import hooks
 from mirrored._core.capture import is_state
 from mirrored._core.devices import device_name
 from mirrored._core.leaves import is_key, raw_array
 from mirrored._core.values import PerReplica, is_per_replica
-from mirrored._run.runner import ReplicaDivergenceError
+from mirrored._nnx import batch_norm
+from mirrored._run.errors import ReplicaDivergenceError
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 
@@ -554,14 +555,14 @@ def verify(
     try:
         for i, arg in enumerate(args):
             if is_state(arg):
-                strategy._runner.check_mirrored(arg, f"args[{i}]")
+                strategy._check_mirrored(arg, f"args[{i}]")
     except ValueError as error:
         unmirrored = str(error)
     checks = [devices_check(unmirrored)]
     replicated = strategy._replicated
     copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
     try:
-        checks.append(check_collectives(strategy._runner.compiled_text(step_fn, copies, {}), n))
+        checks.append(check_collectives(strategy._compiled_text(step_fn, copies, {}), n))
     except ReplicaDivergenceError as error:
         # Mirrored state computed from replica-local data: nothing synchronises the replicas.
         checks.append(check_collectives("", n))
@@ -591,7 +592,7 @@ def verify(
         )
         # TensorFlow's per-replica BatchNorm statistics differ from one device's by design;
         # synchronised, any difference left is the step's own.
-        with layers.synchronized_batch_norm(), quiet:
+        with batch_norm.synchronized_batch_norm(), quiet:
             strategy.run(deterministic, args=ours)
             single.run(deterministic, args=theirs)
         after_ours, after_theirs = _params(ours), _params(theirs)
@@ -619,13 +620,11 @@ def verify(
 
 def _keras_prepared(strategy: Any, step_fn: Any, args: list[Any], batch_size: int | None) -> Any:
     """A Keras step or model as an explicit step (`mirrored.keras._verify.Prepared`), or None."""
-    from mirrored._run import runner as _run
-
     prepared = None
-    if _run.keras_bind is not None:  # mirrored.keras is in use: Keras state may be reached
-        from mirrored.keras import _verify as keras_verify
-
-        prepared = keras_verify.prepare(strategy, step_fn, args, batch_size)
+    for extension in hooks.extensions:  # Keras, say: its state may be reached
+        prepared = extension.prepare_verify(strategy, step_fn, args, batch_size)
+        if prepared is not None:
+            break
     if batch_size is not None and (prepared is None or prepared.dataset_size is None):
         raise TypeError(
             "verify expected batch_size only with a compiled Keras model (the global batch of "

@@ -7,22 +7,22 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mirrored import _keras_autoload as _keras_hook
-from mirrored import config
 from mirrored._core import context as _context
+from mirrored._core import hooks
 from mirrored._core import lowering as _lowering
 from mirrored._core import mesh as _mesh
+from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
-from mirrored._core.values import PerReplica, ReduceOp, ValueContext, is_per_replica
+from mirrored._core.values import PerReplica, ReduceOp, ValueContext, is_per_replica, to_host
 from mirrored._data import input as _input
-from mirrored._run import runner as _run
-from mirrored._run.runner import Runner, peer_failures
+from mirrored._run.errors import peer_failures
+from mirrored._run.runner import Runner
 
 logger = logging.getLogger("mirrored")
 
@@ -73,15 +73,6 @@ def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """A global array as NumPy on this host, gathering other processes' shards when needed."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 class StrategyMixError(RuntimeError, ValueError):
     """Entering one strategy's scope inside another's (TensorFlow raises RuntimeError)."""
 
@@ -105,7 +96,7 @@ class _Scope:
                 "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
                 "entering the second, or use one strategy throughout."
             )
-        _keras_hook.ensure_adapter()  # Keras imported since: mirror its variables too
+        hooks.load_extensions()  # Keras imported since: mirror its variables too
         token = _context.push_scope(strategy)
         try:
             mesh = jax.set_mesh(strategy._mesh)  # sets the mesh now; exiting restores the last
@@ -239,6 +230,34 @@ class Strategy:
             raise TypeError(f"Expected kwargs to be a dict or None; found {type(kwargs).__name__}.")
         return self._runner(fn, args, kwargs or {})
 
+    # -- the named surface the layers above use (not public API) -------------------------------
+
+    def _step_runner(self) -> Runner:
+        """The runner of this strategy's steps, for an extension that binds its own (Keras)."""
+        return self._runner
+
+    def _is_mirrored(self, x: Any) -> bool:
+        """Whether the jax.Array `x` is replicated on exactly this strategy's devices."""
+        return self._runner.is_mirrored(x)
+
+    def _check_mirrored(self, obj: Any, label: str) -> None:
+        """Raise the out-of-scope error for the first variable of `obj` not mirrored here."""
+        self._runner.check_mirrored(obj, label)
+
+    def _check_pending(self) -> None:
+        """check_numerics: raise for a checked step not looked at yet."""
+        self._runner.check_pending()
+
+    def _lowered(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The program `run(fn, args, kwargs)` executes, traced and lowered (nothing runs)."""
+        return self._runner.lowered(fn, args, kwargs)
+
+    def _compiled_text(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> str:
+        """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
+        return self._runner.compiled_text(fn, args, kwargs)
+
     def run_steps(
         self,
         fn: Callable[..., Any],
@@ -286,15 +305,12 @@ class Strategy:
                 "Fix: iterator = iter(strategy.experimental_distribute_dataset(...)), made once "
                 "and passed to every call, so each call takes the next batches."
             )
-        if _run.keras_bind is not None:
-            from mirrored.keras import _bind
-
-            if _bind.reaches_keras(self._runner, fn, args, kwargs or {}):
-                raise NotImplementedError(
-                    "strategy.run_steps does not run Keras steps yet (their Keras variables "
-                    "are bound per call of strategy.run). Fix: call strategy.run per step, or "
-                    "use model.fit, whose steps_per_execution Keras handles."
-                )
+        if any(e.reaches(self._runner, fn, args, kwargs or {}) for e in hooks.extensions):
+            raise NotImplementedError(
+                "strategy.run_steps does not run Keras steps yet (their Keras variables "
+                "are bound per call of strategy.run). Fix: call strategy.run per step, or "
+                "use model.fit, whose steps_per_execution Keras handles."
+            )
         batches = list(itertools.islice(iterator, steps))
         if not batches:
             return None
@@ -603,7 +619,7 @@ def _default_strategy() -> _DefaultStrategy:
 def _running() -> Strategy | None:
     """The strategy whose `run` is tracing the current step, if any."""
     ctx = _context.current_replica_context()
-    return ctx.strategy if ctx is not None else None
+    return cast(Strategy, ctx.strategy) if ctx is not None else None
 
 
 def get_strategy() -> Strategy:
@@ -612,7 +628,7 @@ def get_strategy() -> Strategy:
     Inside `strategy.run` this is the running strategy, even when `run` was called outside
     its scope (as in TensorFlow, where `run` enters the scope).
     """
-    return _running() or _context.entered_strategy() or _default_strategy()
+    return _running() or cast(Strategy | None, _context.entered_strategy()) or _default_strategy()
 
 
 def has_strategy() -> bool:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mirrored import metrics as _metrics
+from mirrored._train import metrics as _metrics
 
 _EPSILON = 1e-7
 

@@ -15,20 +15,21 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mirrored import config
 from mirrored._core import context as _context
-from mirrored._core.values import PerReplica, is_per_replica
+from mirrored._core import settings as config
+from mirrored._core.values import PerReplica, is_per_replica, to_host
 from mirrored._data import batching as _batching
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._optim import learning_rate as _learning_rate
 from mirrored._optim.mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._proof import profile as _profile
-from mirrored._run.runner import peer_failures
+from mirrored._run.errors import peer_failures
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
-from mirrored._strategy.strategy import Strategy, get_strategy, to_host
+from mirrored._strategy.strategy import Strategy, get_strategy
 from mirrored._train import objectives as _objectives
-from mirrored.callbacks import Callback, CallbackList, History
+from mirrored._train.callbacks.base import Callback, History
+from mirrored._train.callbacks.callback_list import CallbackList
 
 logger = logging.getLogger("mirrored")
 
@@ -338,7 +339,7 @@ class Trainer:
                     f"model(x, rngs=rngs); found {type(rngs).__name__}. Fix: "
                     "rngs=nnx.Rngs(dropout=0), created inside strategy.scope()."
                 )
-            self.strategy._runner.check_mirrored(rngs, "rngs")
+            self.strategy._check_mirrored(rngs, "rngs")
         self.rngs = rngs
         self.policy = global_policy() if policy is None else _as_policy(policy)
         self.model = self.policy.apply(model)
@@ -351,7 +352,7 @@ class Trainer:
         stateful = [(m, False) for m in resolved if not isinstance(m, _objectives.Metric)]
         stateful += [(m, True) for m in resolved_weighted if not isinstance(m, _objectives.Metric)]
         for metric, _ in stateful:
-            self.strategy._runner.check_mirrored(metric, f"the metric {metric.name!r}")
+            self.strategy._check_mirrored(metric, f"the metric {metric.name!r}")
         self._stateful = tuple(m for m, _ in stateful)
         unweighted = {m.name for m in resolved}
         names = [
@@ -373,12 +374,12 @@ class Trainer:
                 "give metrics distinct name= arguments."
             )
         self._names = names
-        self.strategy._runner.check_mirrored(model, "the model")
+        self.strategy._check_mirrored(model, "the model")
         with self.strategy.scope():
             self.optimizer = _build_optimizer(
                 model, optimizer, self.policy, global_clipnorm, gradient_accumulation_steps
             )
-        self.strategy._runner.check_mirrored(self.optimizer, "the optimizer")
+        self.strategy._check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(
             self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
         )
@@ -508,7 +509,7 @@ class Trainer:
             return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
 
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
-        self.strategy._runner.check_pending()  # check_numerics: the steps behind these sums
+        self.strategy._check_pending()  # check_numerics: the steps behind these sums
         *sums, count, weight = self._sums(totals)
         weighted_from = 1 + len(self.metrics)
         logs = {
@@ -918,7 +919,7 @@ class Trainer:
             if per_step:  # the batch's outputs on the host, real rows only (a sync per batch)
                 callback_list.on_predict_batch_end(step, {"outputs": self._host_rows(out)})
         callback_list.on_predict_end({})
-        self.strategy._runner.check_pending()
+        self.strategy._check_pending()
         rows = [self._host_rows(out) for out in outputs]
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
 

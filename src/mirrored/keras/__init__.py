@@ -32,9 +32,9 @@ _error = keras_backend_error()
 if _error is not None:
     raise _error
 
-from mirrored.keras import _patches  # noqa: E402
+from mirrored.keras import _install  # noqa: E402
 from mirrored.keras._grad import value_and_grad  # noqa: E402
 
-_patches.install()
+_install.install()
 
 __all__ = ["value_and_grad"]

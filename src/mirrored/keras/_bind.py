@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mirrored._core import capture as _capture
-from mirrored._run import runner as _run
+from mirrored._core import hooks
+from mirrored._run.arguments import _fn_key, undecorated
 from mirrored.keras import _bridge
 
 
@@ -70,13 +71,13 @@ def _entry(runner: Any, fn: Callable[..., Any], objects: list[Any]) -> _Entry:
     if not objects:
         return _Entry(objects, None)
     variables = _bridge.variables_of(objects)  # none yet: a model built by its first call
-    strategy = runner._strategy
+    strategy = runner.strategy
     for v in variables:
         value = v._value
         if value is not None and not runner.is_mirrored(value):
             raise ValueError(
                 f"strategy.run expected the Keras variable {v.path!r} mirrored on the "
-                f"strategy's {runner._n} device(s); it lives on "
+                f"strategy's {runner.n} device(s); it lives on "
                 f"{', '.join(sorted(str(d) for d in value.devices()))}. It was most likely "
                 "created outside strategy.scope().\n"
                 "Fix: create the model, optimizer and metrics inside the scope:\n"
@@ -94,7 +95,7 @@ def _initialize_created(runner: Any) -> None:
     of an optimizer) created while the step was traced."""
     from keras.src.backend.common.variables import initialize_all_variables
 
-    with runner._strategy.scope():
+    with runner.strategy.scope():
         initialize_all_variables()
 
 
@@ -102,11 +103,11 @@ def _lookup(
     runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
     from_args = _argument_objects(args, kwargs)
-    key = (_run._fn_key(_run._undecorated(fn)), *map(id, from_args))
-    cache: dict[Any, _Entry] = runner.__dict__.setdefault("_keras_entries", {})
+    key = (_fn_key(undecorated(fn)), *map(id, from_args))
+    cache: dict[Any, _Entry] = runner.extension_state.setdefault("keras", {})
     entry = cache.get(key)
     if entry is None:
-        objects = _captured_objects(_run._undecorated(fn)) + from_args
+        objects = _captured_objects(undecorated(fn)) + from_args
         entry = cache[key] = _entry(runner, fn, objects)
     return key, cache, entry
 
@@ -136,12 +137,12 @@ def _after_lazy_builds(
 
 
 def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """Run `fn` with the Keras state it reaches, or `_run.NOT_BOUND` when it reaches none."""
+    """Run `fn` with the Keras state it reaches, or `hooks.NOT_BOUND` when it reaches none."""
     if isinstance(fn, KerasStep | Explicit):
-        return _run.NOT_BOUND
+        return hooks.NOT_BOUND
     found = _lookup(runner, fn, args, kwargs)
     if found[2].step is None:
-        return _run.NOT_BOUND
+        return hooks.NOT_BOUND
 
     def run(step: KerasStep) -> Any:
         out = runner.call(step, (step.bridge.holder, *args), kwargs)

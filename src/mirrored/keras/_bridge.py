@@ -31,10 +31,10 @@ from flax import nnx
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from mirrored import metrics
 from mirrored._core import capture as _capture
 from mirrored._core import context as _context
 from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._nnx import metrics
 
 
 class Slot(nnx.Variable):  # type: ignore[type-arg]

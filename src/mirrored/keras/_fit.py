@@ -21,12 +21,13 @@ import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from mirrored import config
 from mirrored._core import context as _context
+from mirrored._core import settings as config
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._data import input as _input
 from mirrored._data.prefetch import Prefetcher
-from mirrored._run import runner as _run
+from mirrored._run.array_step import Direct
+from mirrored._run.state_rules import summed_over_replicas
 from mirrored._train import objectives as _objectives
 from mirrored.keras import _bridge, _patches
 
@@ -135,7 +136,7 @@ class _Step:
         self.bridge = _bridge.Bridge(variables, kinds)
         self.seeds = [i for i, k in enumerate(kinds) if k is _bridge.SeedSlot]
         self.place = _Placer(strategy)
-        self.direct: _run.Direct | None = None  # after a first step through the runner
+        self.direct: Direct | None = None  # after a first step through the runner
 
     # -- on the host, per batch -----------------------------------------------------------------
 
@@ -154,7 +155,7 @@ class _Step:
         return outputs, tuple(groups)
 
     def _full(self, flat: list[Any], batch: Any) -> tuple[Any, list[Any]]:
-        runner = self.strategy._runner
+        runner = self.strategy._step_runner()
         self.bridge.pull(flat)
         # The runner's own call: this step's Keras state is explicit already (no bridge).
         # compile(run_eagerly=True): the step op by op, as mirrored.config's eager mode.
@@ -250,7 +251,7 @@ class _Step:
             if new is old:
                 combined.append(old)
                 continue
-            combined.append(_run.summed_over_replicas(old, new, ctx.num_replicas_in_sync))
+            combined.append(summed_over_replicas(old, new, ctx.num_replicas_in_sync))
         with StatelessScope(state_mapping=list(zip(references, combined, strict=True))):
             logs = model.get_metrics_result()
         return logs, combined

@@ -28,19 +28,14 @@ import jax.numpy as jnp
 import keras
 from keras.src import backend, ops, tree
 from keras.src.backend.common.stateless_scope import get_stateless_scope
-from keras.src.backend.jax import core as jax_core
-from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.losses import loss as loss_module
-from keras.src.trainers import trainer as base_trainer
 
-from mirrored import layers
 from mirrored._core import context as _context
 from mirrored._core.mesh import REPLICA_AXIS
-from mirrored._run import runner as _run
+from mirrored._nnx import batch_norm
 
 # The strategy each model is tied to (created or compiled in its scope).
 _STRATEGY_OF: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_installed = False
 
 
 def split_context() -> _context.ReplicaContext | None:
@@ -371,8 +366,8 @@ def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, inputs, mask)
             finally:
                 self.synchronized = True
-        # `verify` compares with one device on global statistics (`layers.synchronizing`).
-        synchronized = self.synchronized or layers.synchronizing()
+        # `verify` compares with one device on global statistics (`batch_norm.synchronizing`).
+        synchronized = self.synchronized or batch_norm.synchronizing()
         if ctx is None or (rows is None and mask is None and not synchronized):
             return original(self, inputs, mask)
         axes = tuple(self._reduction_axes)
@@ -461,7 +456,7 @@ def _adopt(variables: list[Any], strategy: Any) -> None:
     scope and handed to `compile`): TensorFlow creates their state under the model's strategy."""
     for v in variables:
         value = v._value
-        if isinstance(value, jax.Array) and not strategy._runner.is_mirrored(value):
+        if isinstance(value, jax.Array) and not strategy._is_mirrored(value):
             v._layout = strategy._replicated
             v._direct_assign(value)
 
@@ -474,7 +469,7 @@ def check_mirrored(model: Any, strategy: Any, *, what: str) -> None:
     if optimizer is not None:
         others += list(optimizer.variables)
     _adopt(others, strategy)
-    runner = strategy._runner
+    runner = strategy._step_runner()
     for v in variables:
         value = v._value
         if value is None or isinstance(value, jax.core.Tracer):
@@ -536,63 +531,3 @@ def _in_strategy(original: Callable[..., Any], what: str) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
 
     return method
-
-
-def _make_function(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def make(self: Any, force: bool = False) -> Any:
-        strategy = _STRATEGY_OF.get(self)
-        if strategy is None or _context.entered_strategy() is None:
-            return original(self, force)
-        from mirrored.keras import _fit
-
-        attribute = f"{kind}_function"
-        current = getattr(self, attribute)
-        if current is not None and not force and getattr(current, "mirrored", None) is strategy:
-            return current
-        function = _fit.make_function(self, strategy, kind)
-        setattr(self, attribute, function)
-        return function
-
-    return make
-
-
-def install() -> None:
-    """Apply the patches (once per process)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    variable = jax_core.JaxVariable
-    variable._initialize_layout = _initialize_layout(variable._initialize_layout)
-    loss_module.Loss.__call__ = _loss_call(loss_module.Loss.__call__)
-    trainer = base_trainer.Trainer
-    trainer._aggregate_additional_loss = _aggregate_additional_loss(
-        trainer._aggregate_additional_loss
-    )
-    keras.layers.Layer.activity_regularizer = _ActivityRegularizer()  # type: ignore[assignment]
-    keras.src.backend.rnn = _rnn(keras.src.backend.rnn)
-    norm = keras.layers.BatchNormalization
-    norm.__init__ = _batch_norm_init(norm.__init__)
-    norm._moments = _batch_norm_moments(norm._moments)
-    # LossScaleOptimizer has an `apply` of its own.
-    for cls in list(_defining(keras.src.optimizers.base_optimizer.BaseOptimizer, "apply")):
-        setattr(cls, "apply", _optimizer_apply(cls.__dict__["apply"]))  # noqa: B010
-    JAXTrainer.__init__ = _tie_at_init(JAXTrainer.__init__)
-    trainer.compile = _compile(trainer.compile)
-    for name in (
-        "fit",
-        "evaluate",
-        "predict",
-        "train_on_batch",
-        "test_on_batch",
-        "predict_on_batch",
-    ):
-        setattr(JAXTrainer, name, _in_strategy(getattr(JAXTrainer, name), name))
-    for kind in ("train", "test", "predict"):
-        name = f"make_{kind}_function"
-        setattr(JAXTrainer, name, _make_function(getattr(JAXTrainer, name), kind))
-    _run.masked_trace_patches.append(masked_keras_metrics)
-    from mirrored.keras import _bind
-
-    _run.keras_bind = _bind.bind

@@ -32,6 +32,10 @@ class Prepared:
     objects: list[Any]  # the Keras objects the step reaches
     dataset_size: int | None = None
 
+    def explicit_step(self) -> Callable[..., Any]:
+        """The step as a function of explicit arguments (`mirrored doctor --profile`)."""
+        return _bind.Explicit(self.step)
+
     def deterministic(self) -> tuple[Callable[..., Any], contextlib.AbstractContextManager[None]]:
         """The step with every dropout and noise layer off while it is traced: N replicas
         cannot draw one device's masks. A distinct object, so it compiles a program of its
@@ -68,7 +72,7 @@ def prepare(
     """
     if isinstance(step_fn, keras.Model):
         return _fit_step(strategy, step_fn, args, batch_size)
-    made = _bind.explicit(strategy._runner, step_fn, args, {})
+    made = _bind.explicit(strategy._step_runner(), step_fn, args, {})
     if made is None:
         return None
     step, step_args = made

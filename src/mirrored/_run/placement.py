@@ -1,0 +1,81 @@
+"""Where state and batches live: mirrored state must be replicated on exactly the strategy's
+devices, split batches must be over its replicas; the errors that say how to fix either."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mirrored._core.leaves import is_leaf as _is_leaf
+from mirrored._core.leaves import type_kind as _type_kind
+from mirrored._core.values import PerReplica
+
+
+class Placement:
+    """The placement checks of one strategy's devices (results cached per sharding)."""
+
+    def __init__(self, devices: frozenset[Any], n: int) -> None:
+        self._devices = devices
+        self._n = n
+        self._sharding_ok: dict[Any, bool] = {}
+
+    def is_mirrored(self, x: Any) -> bool:
+        """Whether the jax.Array `x` is fully replicated on exactly this strategy's devices."""
+        sharding = x.sharding
+        ok = self._sharding_ok.get(sharding)
+        if ok is None:
+            ok = sharding.is_fully_replicated and sharding.device_set == self._devices
+            self._sharding_ok[sharding] = ok
+        return ok
+
+    def argument_error(self, args: Any, kwargs: Any, bad: Any) -> ValueError:
+        name = "an argument"
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_leaf)[0]:
+            if leaf is bad:
+                where = "args" if path[0].idx == 0 else "kwargs"
+                name = f"{where}{jax.tree_util.keystr(path[1:])}"
+                break
+        return self.not_mirrored_error(name, bad)
+
+    def not_mirrored_error(self, name: str, bad: Any) -> ValueError:
+        value = bad.get_raw_value() if isinstance(bad, nnx.Variable) else bad
+        if isinstance(value, jax.Array):
+            found = "devices " + ", ".join(sorted(str(d) for d in value.sharding.device_set))
+            if not value.sharding.is_fully_replicated:
+                found += f" (sharded as {value.sharding})"
+        else:
+            found = f"a host value of type {type(value).__name__}"
+        return ValueError(
+            f"strategy.run expected mirrored state: every variable and jax.Array argument "
+            f"replicated on this strategy's {self._n} device(s); {name} "
+            f"({type(bad).__name__}) lives on {found}. It was most likely created outside "
+            "strategy.scope().\n"
+            "Fix: create models, optimizers and state inside the scope:\n"
+            "  with strategy.scope():\n"
+            "      model = MyModel(rngs=nnx.Rngs(0))\n"
+            "      optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)\n"
+            "(or pass a NumPy array for a constant input)."
+        )
+
+    def check_mirrored(self, obj: Any, label: str) -> None:
+        """Raise the out-of-scope error for the first variable of `obj` not mirrored here."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(obj, is_leaf=_is_leaf)[0]:
+            value = leaf.get_raw_value() if _type_kind(type(leaf)) == "v" else leaf
+            if not (isinstance(value, jax.Array) and self.is_mirrored(value)):
+                raise self.not_mirrored_error(f"{label}{jax.tree_util.keystr(path)}", leaf)
+
+    def check_split(self, leaf: PerReplica) -> None:
+        sharding = leaf.global_value.sharding
+        ok = self._sharding_ok.get(("split", sharding))
+        if ok is None:
+            ok = sharding.device_set == self._devices
+            self._sharding_ok[("split", sharding)] = ok
+        if not ok or leaf.num_replicas != self._n:
+            raise ValueError(
+                f"strategy.run expected PerReplica values over this strategy's {self._n} "
+                f"replicas; found one over {leaf.num_replicas} replica(s) on devices "
+                f"{sorted(str(d) for d in sharding.device_set)}. Fix: distribute inputs and "
+                "run steps with the same strategy."
+            )

@@ -1,0 +1,316 @@
+"""A compiled step: the SPMD program of one call signature (`jax.jit` of `jax.shard_map` over
+the replica axis), traced once to learn which outputs differ between replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from mirrored._core import capture as _capture
+from mirrored._core import context as _context
+from mirrored._core import hooks
+from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
+from mirrored._nnx import batch_norm, metrics, rnn
+from mirrored._run import numerics, state_rules
+from mirrored._run.arguments import (
+    _CONSTANT,
+    _MIRRORED,
+    _SPLIT,
+    _STACKED,
+    _STATIC,
+    _VARIABLE,
+    _fn_key,
+    _Sorted,
+)
+from mirrored._run.errors import _diverged_error, _python_branch_error, _warn_per_replica_mean
+
+logger = logging.getLogger("mirrored")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    call: Callable[..., Any]
+    out_treedef: Any
+    out_stacked: tuple[bool, ...]
+    # Outputs computed per example of a padded batch (leading axis = the replica's rows): they
+    # carry the batch's mask, so reductions and gathers count real examples only.
+    out_masked: tuple[bool, ...] = ()
+    # check_numerics: the last output is each replica's finite flags, of its batch leaves
+    # first (`check_inputs` of them), then of the checked values (`check_layout`'s stages).
+    checked: bool = False
+    check_inputs: int = 0
+    check_layout: tuple[tuple[str, str], ...] = ()
+    name: str = ""
+    fn_key: Any = None  # counts the steps of one step function
+    steps: int = 1  # per call
+    eager: bool = False
+    any_masked: bool = dataclasses.field(init=False)  # read every step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "any_masked", any(self.out_masked))
+
+
+class CompileTarget(Protocol):
+    """What compiling a step reads of its runner."""
+
+    n: int
+    mesh: Any
+    strategy: Any
+    placement: Any
+    donate: bool
+    logged: bool
+    eager_traced: set[Any]
+
+    def latch(self) -> jax.Array: ...
+
+
+def compile_step(
+    target: CompileTarget,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: list[Any],
+    treedef: Any,
+    kinds: str,
+    sorted_: _Sorted,
+    masked: bool,
+    steps: int | None = None,
+    inputs: tuple[list[Any], list[Any]] | None = None,
+    *,
+    eager: bool = False,
+) -> Any:
+    """The program for one signature; `steps`: `run_steps`' K steps in one program, on
+    `inputs` (the stacked split and replicated inputs) instead of `sorted_`'s. `eager`:
+    instead, a function that runs the step once on its inputs, without compiling, and
+    returns a `Program` that hands out what it computed."""
+    unique = sorted_.unique
+    captured = _capture.find_captured(fn, target.placement.is_mirrored)
+    if captured:
+        raise _capture.captured_state_error(fn, captured)
+    position = {id(v): i for i, v in enumerate(unique)}
+    # How to rebuild each leaf inside the trace; holds no argument arrays alive.
+    plan: list[tuple[str, Any]] = [
+        (kind, position[id(leaf)] if kind == _VARIABLE else leaf if kind == _STATIC else None)
+        for leaf, kind in zip(leaves, kinds, strict=True)
+    ]
+    var_treedefs = [jax.tree.structure(v) for v in unique]
+    # How each variable combines across replicas (random keys, moving statistics, sums).
+    rules = state_rules.StateRules.of(unique, (args, kwargs))
+    flax_metrics = metrics.flax_metric_classes((args, kwargs))
+    n = target.n
+    fn_name = getattr(fn, "__name__", type(fn).__name__)
+    recorded: dict[str, Any] = {}
+    # The trace-time warnings, once per step function (an eager step traces every call).
+    quiet = eager and _fn_key(fn) in target.eager_traced
+    checking = numerics.check_numerics_enabled()
+    state_names = numerics._state_names(fn, args, kwargs, unique) if checking else []
+
+    def one_step(
+        state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
+    ) -> tuple[list[Any], Any, Any]:
+        """One step of `fn` on this replica: the new state (mirrored again), the output,
+        and under check_numerics the finite flags (of the batch, of the values)."""
+        inner = rules.entering(state, n)
+        fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
+        split_it, rep_it = iter(split), iter(rep)
+        rebuilt = []
+        for kind, payload in plan:
+            if kind == _VARIABLE:
+                rebuilt.append(fresh[payload])
+            elif kind == _SPLIT:
+                rebuilt.append(next(split_it))
+            elif kind == _STACKED:
+                rebuilt.append(next(split_it)[0])
+            elif kind in (_MIRRORED, _CONSTANT):
+                rebuilt.append(next(rep_it))
+            else:
+                rebuilt.append(payload)
+        call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
+        ctx = _context.ReplicaContext(
+            target.strategy,
+            in_spmd=True,
+            example_mask=mask,
+            example_count=count,
+            batch_is_split=_SPLIT in kinds,
+        )
+        ctx.warnings = warn  # trace-time warnings: on the first of the two traces only
+        token = _context.enter_replica(ctx)
+        gradients: list[Any] = []
+        try:
+            # A padded batch: BatchNorm statistics and Flax metrics leave padded rows out.
+            with contextlib.ExitStack() as patches:
+                patches.enter_context(rnn.varying_rnn_carries())
+                if checking:
+                    patches.enter_context(numerics._capturing_gradients(gradients))
+                if flax_metrics:
+                    patches.enter_context(metrics.flax_metric_updates(flax_metrics))
+                if masked:
+                    patches.enter_context(batch_norm.masked_batch_norm())
+                    for extension in hooks.extensions:
+                        for patch in extension.masked_trace_patches():
+                            patches.enter_context(patch())
+                out = fn(*call_args, **call_kwargs)
+        except jax.errors.TracerBoolConversionError as error:
+            raise _python_branch_error(error, fn_name, eager) from error
+        finally:
+            _context.exit_replica(token)
+        # Flax metrics of the user's own whose update only adds to their state: sums too.
+        slot_of = {id(v): i for i, v in enumerate(fresh)}
+        sums = ctx.summed_states - ctx.not_summed_states
+        added = {slot_of[v] for v in sums if v in slot_of}
+        new_state = rules.combined(state, inner, [v.get_raw_value() for v in fresh], added, mask, n)
+        for variable, value in zip(unique, new_state, strict=True):
+            if _context.is_varying(value):
+                raise _diverged_error(fn_name, args, kwargs, variable)
+        if warn:  # the first of the two traces
+            _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, n)
+        flags = None
+        if checking:
+            flags, layout = numerics._finite_flags(split, out, gradients, new_state, state_names)
+            recorded["check"] = layout
+        return new_state, out, flags
+
+    def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+        failed = None
+        if checking:  # the latch: set, the step changes nothing
+            state, failed = state[:-1], state[-1]
+        mask = count = None
+        if masked:
+            mask, count = split[-1], rep[-1]
+            split, rep = split[:-1], rep[:-1]
+        if steps is None:
+            new_state, out, flags = one_step(
+                state, split, rep, mask, count, expand is None and not quiet
+            )
+            if checking:  # a non-finite value on any replica: every replica keeps its state
+                new_state, failed = numerics._unless_non_finite(flags, new_state, state, failed)
+            rows = None if mask is None else mask.shape[0]
+        else:  # `run_steps`: the batches (and masks, counts) stacked on a leading step axis
+
+            def scan_step(carry: Any, xs: Any) -> tuple[Any, Any]:
+                state_k, failed = carry
+                split_k, mask_k, count_k = xs
+                new, out, flags = one_step(
+                    state_k, split_k, rep, mask_k, count_k, expand is None and not quiet
+                )
+                if checking:  # after a non-finite step, the state stays as before it
+                    new, failed = numerics._unless_non_finite(flags, new, state_k, failed)
+                return (new, failed), (jax.tree.map(jnp.asarray, out), flags)
+
+            (new_state, failed), (out, flags) = jax.lax.scan(
+                scan_step,
+                (list(state), jnp.zeros((), bool) if failed is None else failed),
+                (split, mask, count),
+                unroll=unrolled[0],
+            )
+            rows = None  # outputs are stacked by step, not by example
+        out_leaves, out_treedef = jax.tree.flatten(out)
+        out_leaves = [jnp.asarray(x) for x in out_leaves]
+        varying = tuple(_context.is_varying(x) for x in out_leaves)
+        per_example = tuple(
+            v and x.ndim >= 1 and x.shape[0] == rows
+            for x, v in zip(out_leaves, varying, strict=True)
+        )
+        recorded["out"] = (out_treedef, varying, per_example)
+        # The first trace has no layout yet: give every output a replica axis.
+        expand = (True,) * len(out_leaves) if expand is None else expand
+        outs = [x[None] if e else x for x, e in zip(out_leaves, expand, strict=True)]
+        if checking:  # the flags, an extra last output, per replica; the latch
+            outs.append(jnp.concatenate(flags, axis=-1)[None])
+            new_state = [*new_state, failed]
+        return new_state, outs, jnp.zeros((), jnp.int32)
+
+    unrolled = [False]  # run_steps' scan, unrolled (below: convolutions on CPU)
+    # K steps: every split input carries the step on its leading axis, the batch on the next.
+    split_spec = SPLIT if steps is None else PartitionSpec(None, REPLICA_AXIS)
+
+    def program(expand: Any, out_specs: Any) -> Any:
+        return jax.shard_map(
+            lambda s, d, r: body(s, d, r, expand=expand),
+            mesh=target.mesh,
+            in_specs=(REPLICATED, split_spec, REPLICATED),
+            out_specs=(REPLICATED, out_specs, REPLICATED),
+            check_vma=True,
+        )
+
+    def program_fields() -> dict[str, Any]:
+        fields = {"fn_key": _fn_key(fn), "steps": steps or 1, "eager": eager, "name": fn_name}
+        if checking:
+            inputs, layout = recorded["check"]
+            fields.update(checked=True, check_inputs=inputs, check_layout=tuple(layout))
+        return fields
+
+    if eager:
+
+        def run(state: list[Any], split: list[Any], rep: list[Any]) -> Program:
+            # Every output with a replica axis (as the first trace of the compiled path);
+            # those the same on every replica are then taken from the first replica.
+            new_state, outs, token = program(None, SPLIT)(state, split, rep)
+            target.eager_traced.add(_fn_key(fn))
+            out_treedef, varying, per_example = recorded["out"]
+            outs, extra = outs[: len(varying)], outs[len(varying) :]  # extra: the flags
+            outs = [x if v else x[0] for x, v in zip(outs, varying, strict=True)]
+            done = (new_state, [*outs, *extra], token)
+            return Program(
+                call=lambda *_: done,
+                out_treedef=out_treedef,
+                out_stacked=varying,
+                out_masked=per_example,
+                **program_fields(),
+            )
+
+        return run
+    state = [*sorted_.state, target.latch()] if checking else sorted_.state
+    split, rep = sorted_.with_mask() if inputs is None else inputs
+    # First trace: learn which outputs differ between replicas, to choose their specs.
+    jax.eval_shape(program(None, SPLIT), state, split, rep)
+    out_treedef, varying, per_example = recorded["out"]
+    out_specs = [SPLIT if v else REPLICATED for v in varying] + [SPLIT] * checking
+
+    def jitted() -> Any:
+        return jax.jit(program(varying, out_specs), donate_argnums=0 if target.donate else ())
+
+    call = jitted()
+    # XLA:CPU runs a convolution inside a loop dozens of times slower than outside one
+    # (measured: a small CNN step 8 ms alone, 419 ms in a scan, 8 ms fully unrolled):
+    # such a program gets its K steps unrolled (compiling takes longer instead).
+    if (
+        steps is not None
+        and target.mesh.devices.flat[0].platform == "cpu"
+        and "convolution" in call.lower(state, split, rep).as_text()
+    ):
+        unrolled[0] = True
+        call = jitted()
+    if not target.logged:
+        target.logged = True
+        _log_first_program(n, fn_name, call, state, split, rep)
+    return Program(
+        call=call,
+        out_treedef=out_treedef,
+        out_stacked=varying,
+        out_masked=per_example,
+        **program_fields(),
+    )
+
+
+def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    text = call.lower(*inputs).as_text()
+    count = text.count("all_reduce")
+    logger.info(
+        "Compiled %r as one SPMD program over %d replica(s) on axis %r: %d all-reduce "
+        "op(s) over %d replicas synchronise it.",
+        fn_name,
+        n,
+        REPLICA_AXIS,
+        count,
+        n,
+    )

@@ -1,0 +1,105 @@
+"""`strategy.run_steps`: K steps of one step function in one program, the batches stacked on a
+leading step axis."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mirrored._core.leaves import is_leaf as _is_leaf
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._core.values import is_per_replica
+from mirrored._run.arguments import _Sorted, sort_leaves, state_as_arguments
+
+if TYPE_CHECKING:
+    from mirrored._core.hooks import StrategyLike
+    from mirrored._run.placement import Placement
+
+
+class Steps(NamedTuple):
+    """K steps' inputs: the first call's leaves, sorted, and the stacked split inputs."""
+
+    fn: Callable[..., Any]
+    first: Sequence[Any]  # the first step's positional arguments
+    leaves: list[Any]
+    treedef: Any
+    sorted_: _Sorted
+    masked: bool
+    inputs: tuple[list[Any], list[Any]]  # the stacked split and replicated inputs
+
+
+def stacked_steps(
+    placement: Placement,
+    strategy: StrategyLike,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    batches: list[Any],
+) -> Steps:
+    """The inputs of `len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program."""
+    fn, args = state_as_arguments(fn, args)
+    bad = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_leaf) if is_per_replica(x)]
+    if bad:
+        raise ValueError(
+            "strategy.run_steps expected the batches from the iterator and mirrored state "
+            f"in args; found a PerReplica value in args ({bad[0].shape} per replica). A "
+            "value that differs per replica cannot stay fixed over several steps.\n"
+            "Fix: let the iterator yield it with each batch, or call strategy.run per step."
+        )
+    calls = [(*args, *(b if isinstance(b, tuple) else (b,))) for b in batches]
+    leaves, first = jax.tree.flatten((calls[0], kwargs), is_leaf=_is_leaf)
+    treedef: Any = first
+    sorted_ = sort_leaves(placement, leaves, calls[0], kwargs)
+    columns: list[list[Any]] = [[] for _ in sorted_.split]
+    masks, counts = [], []
+    for i, call in enumerate(calls):
+        step = sorted_
+        if i:
+            step_leaves, step_treedef = jax.tree.flatten((call, kwargs), is_leaf=_is_leaf)
+            if step_treedef != treedef:
+                raise ValueError(
+                    "strategy.run_steps expected every batch of the iterator to have the "
+                    f"structure of the first; found {step_treedef} after {treedef}. Fix: "
+                    "yield batches of one structure."
+                )
+            step = sort_leaves(placement, step_leaves, call, kwargs)
+        for column, value in zip(columns, step.split, strict=True):
+            column.append(value)
+        masks.append(step.mask)
+        counts.append(step.count)
+    masked = any(m is not None for m in masks)
+    stacked = _stack_steps(columns, masks if masked else [], counts if masked else [], strategy)
+    split, rep = (
+        ([*stacked[0], stacked[1]], [*sorted_.rep, stacked[2]])
+        if masked
+        else (stacked[0], sorted_.rep)
+    )
+    return Steps(fn, calls[0], leaves, treedef, sorted_, masked, (split, rep))
+
+
+def _stack_steps(
+    columns: list[list[jax.Array]], masks: list[Any], counts: list[Any], strategy: StrategyLike
+) -> tuple[list[jax.Array], Any, Any]:
+    """Each split input's K values stacked on a new leading step axis (the batch axis stays
+    split over the replicas); with `masks`, the K masks and real-example counts likewise
+    (a batch without padding gets an all-real mask)."""
+    by_step = NamedSharding(strategy._mesh, PartitionSpec(None, REPLICA_AXIS))
+    if masks:
+        rows = next(m.shape[0] for m in masks if m is not None)
+        masks = [jnp.ones((rows,), jnp.bool_) if m is None else m for m in masks]
+        counts = [jnp.int32(rows) if c is None else c for c in counts]
+    stacked, mask = _stack_jit(tuple(map(tuple, columns)), tuple(masks), by_step)
+    count = jax.device_put(jnp.stack(counts), strategy._replicated) if masks else None
+    return list(stacked), mask, count
+
+
+@functools.partial(jax.jit, static_argnames=("sharding",))
+def _stack_jit(columns: Any, masks: Any, sharding: Any) -> Any:
+    stack = [jax.lax.with_sharding_constraint(jnp.stack(c), sharding) for c in columns]
+    mask = jax.lax.with_sharding_constraint(jnp.stack(masks), sharding) if masks else None
+    return stack, mask

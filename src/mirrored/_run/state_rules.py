@@ -1,0 +1,108 @@
+"""How each kind of state combines across replicas, in one table (TensorFlow's
+`VariableAggregation`):
+
+| state                                   | rule                                | TensorFlow       |
+|-----------------------------------------|-------------------------------------|------------------|
+| parameters, optimizer state (any other) | stays mirrored: `grad` already sums | NONE (mirrored)  |
+| `nnx.RngKey` (random streams)           | folded with the replica id per step | per-replica seed |
+| `nnx.BatchStat` (moving statistics)     | mean over replicas with real rows   | ON_READ MEAN     |
+| `MetricState`, Flax metric sums         | `old + Σ_replicas (new_r - old)`    | SYNC_ON_READ SUM |
+
+Anything else that comes back different on each replica is an error (`ReplicaDivergenceError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._nnx import metrics
+
+
+def summed_over_replicas(old: jax.Array, new: jax.Array, n: int) -> jax.Array:
+    """A running sum after every replica added its rows: `old + Σ_replicas (new_r - old)`
+    (TensorFlow's SYNC_ON_READ SUM); an addition the same on every replica counts N times."""
+    added = new - old
+    return old + (jax.lax.psum(added, REPLICA_AXIS) if _context.is_varying(added) else added * n)
+
+
+def mean_over_replicas(value: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """The mean across replicas of a moving statistic; replicas with no real row left out."""
+    if mask is None or not jnp.issubdtype(value.dtype, jnp.inexact):
+        return jax.lax.pmean(value, REPLICA_AXIS)
+    real = mask.any()
+    total = jax.lax.psum(jnp.where(real, value, jnp.zeros_like(value)), REPLICA_AXIS)
+    replicas = jax.lax.psum(real.astype(value.dtype), REPLICA_AXIS)
+    return total / jnp.maximum(replicas, 1)
+
+
+def replica_keys(state: list[Any], slots: list[int]) -> list[Any]:
+    """The state with each random key folded with this replica's id.
+
+    Every replica then draws its own dropout masks (TensorFlow's per-replica randomness), and
+    each step draws new ones (the stream's mirrored count advances). The numbers depend on
+    the seed and the replica count: a run is reproducible for both.
+    """
+    if not slots:
+        return state
+    replica = jax.lax.axis_index(REPLICA_AXIS)
+    inner = list(state)
+    for i in slots:
+        inner[i] = jax.random.fold_in(state[i], replica)
+    return inner
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRules:
+    """The slots of a step's state (its Variables, in order) that each rule applies to."""
+
+    keys: list[int]
+    statistics: list[int]
+    sums: list[int]
+
+    @classmethod
+    def of(cls, variables: list[Any], arguments: Any) -> StateRules:
+        """The table applied to `variables`, the step's state; `arguments` hold its metrics."""
+        flax_sums = metrics.summable_flax_states(arguments)
+        return cls(
+            keys=[i for i, v in enumerate(variables) if isinstance(v, nnx.RngKey)],
+            statistics=[i for i, v in enumerate(variables) if isinstance(v, nnx.BatchStat)],
+            sums=[
+                i
+                for i, v in enumerate(variables)
+                if isinstance(v, metrics.MetricState) or id(v) in flax_sums
+            ],
+        )
+
+    def entering(self, state: list[Any], n: int) -> list[Any]:
+        """The state a replica's step sees: its own random keys (one replica: the keys
+        themselves, so the numbers are the plain script's)."""
+        return replica_keys(state, self.keys) if n > 1 else list(state)
+
+    def combined(
+        self,
+        state: list[Any],
+        inner: list[Any],
+        new_state: list[Any],
+        added: set[int],
+        mask: Any,
+        n: int,
+    ) -> list[Any]:
+        """The new state, combined across replicas by the table; `added`: more slots whose
+        update only adds (Flax metrics of the user's own), summed too."""
+        new_state = list(new_state)
+        for i in self.keys:  # an unchanged stream keeps its mirrored key; its count moves on
+            if new_state[i] is inner[i]:
+                new_state[i] = state[i]
+        for i in [*self.sums, *sorted(added - set(self.sums))]:
+            new_state[i] = summed_over_replicas(state[i], new_state[i], n)
+        for i in self.statistics:
+            if _context.is_varying(new_state[i]):
+                new_state[i] = mean_over_replicas(new_state[i], mask)
+        return new_state

@@ -1,0 +1,62 @@
+"""The list that calls a `fit`'s callbacks, adding `History` and the progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mirrored._train.callbacks.base import Callback, History, _implements
+from mirrored._train.callbacks.progress import ProgbarLogger
+
+
+class CallbackList:
+    """Calls every callback's hook in order, skipping the ones a callback does not implement.
+
+    As in Keras' `CallbackList(add_history=..., add_progbar=...)`, a `History` and a
+    `ProgbarLogger(verbose)` are appended after the given callbacks unless one is among them,
+    so they see what the others add to the logs.
+    """
+
+    def __init__(
+        self,
+        callbacks: Sequence[Callback] = (),
+        *,
+        add_history: bool = False,
+        add_progbar: bool = False,
+        verbose: int = 1,
+    ) -> None:
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"Expected mirrored.callbacks.Callback instances; found "
+                    f"{type(callback).__module__}.{type(callback).__name__}. Fix: use "
+                    "mirrored.callbacks.<Name> (Keras' names), subclass "
+                    "mirrored.callbacks.Callback, or wrap functions in LambdaCallback."
+                )
+        self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
+        if self.history is None and add_history:
+            self.history = History()
+            self.callbacks.append(self.history)
+        if add_progbar and not any(isinstance(c, ProgbarLogger) for c in self.callbacks):
+            self.callbacks.append(ProgbarLogger(verbose))
+
+    def overrides(self, hook: str) -> bool:
+        """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
+        return any(_implements(c, hook) for c in self.callbacks)
+
+    def __getattr__(self, hook: str) -> Any:
+        if hook.startswith("__"):
+            raise AttributeError(hook)
+        methods = [
+            getattr(c, hook)
+            for c in self.callbacks
+            if not hook.startswith("on_") or _implements(c, hook)
+        ]
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for method in methods:
+                method(*args, **kwargs)
+
+        setattr(self, hook, call)  # resolved once per fit
+        return call

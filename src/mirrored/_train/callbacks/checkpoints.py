@@ -1,0 +1,131 @@
+"""Checkpointing callbacks: `ModelCheckpoint` (best or every epoch) and `BackupAndRestore`
+(resume an interrupted `fit`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+
+import numpy as np
+
+from mirrored._persist import checkpoint as _checkpoint
+from mirrored._train.callbacks.base import Callback
+from mirrored._train.callbacks.monitoring import _improved, _monitored
+
+logger = logging.getLogger("mirrored")
+
+
+class ModelCheckpoint(Callback):
+    """Save the model (and optimizer) with Orbax at the end of epochs.
+
+    Args:
+        filepath: a directory; may contain `{epoch}` or log names, e.g. `"ckpt/{epoch:02d}"`.
+        monitor: the log compared when `save_best_only` (e.g. `"val_loss"`).
+        save_best_only: only save when `monitor` improved.
+        save_weights_only: save the model's variables only, not the optimizer state.
+        mode: `"min"`, `"max"` or `"auto"` (max for accuracies).
+        max_to_keep: how many checkpoints one directory keeps, newest first (default 1: each
+            save replaces the previous one); None keeps every one. A `filepath` with
+            `{epoch}` names a new directory each epoch, so every epoch's checkpoint is kept.
+
+    Restore with `mirrored.restore_checkpoint(filepath, model, optimizer)`, or the path
+    `mirrored.latest_checkpoint(filepath)` returns. The checkpoint's step is `epoch + 1`.
+    """
+
+    def __init__(
+        self,
+        filepath: str | os.PathLike[str],
+        monitor: str = "val_loss",
+        *,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        max_to_keep: int | None = 1,
+    ) -> None:
+        _checkpoint.check_max_to_keep(max_to_keep)
+        self.filepath = os.fspath(filepath)
+        self.max_to_keep = max_to_keep
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self._better = _improved(mode, monitor)
+        self.best: float | None = None
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        if self.save_best_only:
+            value = _monitored(logs, self.monitor, "ModelCheckpoint")
+            if value is None or (self.best is not None and not self._better(value, self.best)):
+                return
+            self.best = value
+        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        optimizer = None if self.save_weights_only else self.trainer.optimizer
+        _checkpoint.save_checkpoint(
+            path, self.trainer.model, optimizer, step=epoch + 1, max_to_keep=self.max_to_keep
+        )
+
+
+class BackupAndRestore(Callback):
+    """Resume an interrupted `fit` where its last backup left off.
+
+    Backs up the model, optimizer state, the epoch's running metrics and the position in the
+    data (epoch and step; the shuffled order is a function of the seed and epoch) at the end of
+    every epoch, or every `save_freq` steps. A `fit` that finds a backup restores it and
+    continues; a `fit` that completes deletes it (unless `delete_checkpoint=False`). Only the
+    newest backup is kept (one step directory in `backup_dir`), as in Keras; that is all a
+    resumed `fit` needs, so it is not an option. Keep checkpoints with `ModelCheckpoint`.
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike[str],
+        *,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+    ) -> None:
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ValueError(
+                f"Expected save_freq to be 'epoch' or a positive number of steps; found "
+                f"{save_freq!r}."
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self._steps_done = 0
+
+    def _save(self, epoch: int, step: int) -> None:
+        arrays = self.trainer._training_state()
+        arrays["position/epoch"] = np.asarray(epoch)
+        arrays["position/step"] = np.asarray(step)
+        self._steps_done += 1
+        self._checkpoints.save(self._steps_done, arrays)
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        self._checkpoints = _checkpoint.Checkpoints(self.backup_dir, max_to_keep=1)
+        latest = self._checkpoints.latest()
+        if latest is None:
+            return
+        like = self.trainer._training_state()
+        like["position/epoch"] = np.asarray(0)
+        like["position/step"] = np.asarray(0)
+        arrays = self._checkpoints.restore(like, latest)
+        epoch, step = int(arrays.pop("position/epoch")), int(arrays.pop("position/step"))
+        self.trainer._load_training_state(arrays, self.backup_dir)
+        self.trainer._resume_at(epoch, step)
+        self._steps_done = latest
+        logger.info("BackupAndRestore: resuming at epoch %d, step %d", epoch + 1, step)
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        if self.save_freq != "epoch" and (batch + 1) % int(self.save_freq) == 0:
+            self._save(self.trainer._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        self._save(epoch + 1, 0)
+
+    def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
+        self._checkpoints.close()
+        if self.delete_checkpoint and not self.trainer._interrupted and _checkpoint.is_chief():
+            shutil.rmtree(self.backup_dir, ignore_errors=True)

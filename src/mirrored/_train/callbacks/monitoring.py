@@ -1,0 +1,143 @@
+"""Callbacks that watch a logged value: `EarlyStopping`, `TerminateOnNaN`, and the shared
+rule for what improves."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mirrored._persist import checkpoint as _checkpoint
+from mirrored._train.callbacks.base import Callback
+
+logger = logging.getLogger("mirrored")
+
+
+def _improved(mode: str, monitor: str) -> Any:
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(
+            f"Expected mode 'auto', 'min' or 'max'; found {mode!r}. Fix: 'min' for losses, "
+            "'max' for accuracies, or 'auto' to choose from the monitored name."
+        )
+    if mode == "auto":
+        mode = "max" if "acc" in monitor else "min"
+    return np.greater if mode == "max" else np.less
+
+
+def _monitored(logs: Mapping[str, float] | None, monitor: str, who: str) -> float | None:
+    value = (logs or {}).get(monitor)
+    if value is None:
+        logger.warning(
+            "%s: the monitored metric %r is not in the logs (%s); skipping. Fix: monitor one of "
+            "those, e.g. 'val_loss' needs validation data.",
+            who,
+            monitor,
+            ", ".join(logs or {}),
+        )
+    return value
+
+
+class EarlyStopping(Callback):
+    """Stop training when `monitor` has not improved by `min_delta` for `patience` epochs.
+
+    Keras' rules (keras/src/callbacks/early_stopping.py): every epoch counts towards `wait`;
+    an improvement resets it only if it also beats `baseline`; training stops once
+    `wait >= patience` (never after the first epoch). With `restore_best_weights`, the weights
+    of the best epoch are restored when training ends, whether it stopped early or not, and
+    even if no epoch beat the baseline (the first epoch's weights are the best then).
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        *,
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ) -> None:
+        self.monitor = monitor
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.baseline = baseline
+        self.restore_best_weights = restore_best_weights
+        self.start_from_epoch = start_from_epoch
+        self._better = _improved(mode, monitor)
+        self._sign = 1.0 if self._better is np.less else -1.0
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+
+    def _is_improvement(self, value: float, reference: float) -> bool:
+        return bool(self._better(value + self._sign * self.min_delta, reference))
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+        self.best = np.inf if self._better is np.less else -np.inf
+        self.best_weights: dict[str, np.ndarray] | None = None
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        value = _monitored(logs, self.monitor, "EarlyStopping")
+        if value is None or epoch < self.start_from_epoch:
+            return
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights = _checkpoint.state_arrays({"model": self.trainer.model})
+            self.best_epoch = epoch
+        self.wait += 1
+        if self._is_improvement(value, self.best):
+            self.best, self.best_epoch = value, epoch
+            if self.restore_best_weights:
+                self.best_weights = _checkpoint.state_arrays({"model": self.trainer.model})
+            if self.baseline is None or self._is_improvement(value, self.baseline):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.trainer.stop_training = True
+
+    def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
+        if self.restore_best_weights and self.best_weights is not None:
+            _checkpoint.load_state_arrays(
+                {"model": self.trainer.model},
+                self.best_weights,
+                "EarlyStopping's best weights",
+            )
+
+
+def _chief_print(message: str) -> None:
+    if _checkpoint.is_chief():
+        print(message)
+
+
+class TerminateOnNaN(Callback):
+    """Stop training right after a batch whose loss is NaN or infinite (Keras' callback).
+
+    After every batch it reads the epoch's running loss (what Keras' batch logs hold too):
+    one NaN or infinite batch loss makes it NaN or infinite from that batch on, so training
+    stops after the first bad batch; `on_epoch_end` and `on_train_end` still run. With
+    `raise_error=True` it raises a RuntimeError instead, and no callback's `on_train_end` runs.
+    Reading the loss waits for each step to finish on the devices: one synchronisation per
+    step, as in Keras.
+    """
+
+    def __init__(self, raise_error: bool = False) -> None:
+        self.raise_error = raise_error
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is None or math.isfinite(loss):
+            return
+        if self.raise_error:
+            raise RuntimeError(
+                f"Expected a finite loss; found {loss} after batch {batch} of epoch "
+                f"{self.trainer._epoch + 1}. Fix: lower the learning rate, clip gradients "
+                "(Trainer(..., global_clipnorm=1.0)), or look for NaN or infinite inputs."
+            )
+        _chief_print(f"Batch {batch}: Invalid loss, terminating training")
+        self.trainer.stop_training = True

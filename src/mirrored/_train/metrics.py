@@ -1,0 +1,513 @@
+"""Keras-named stateful metrics, exact inside `strategy.run`, in `Trainer` and across processes.
+
+A metric is an NNX module whose state is running sums (`MetricState`). Create it inside
+`strategy.scope()` and pass it to `run` as an argument, like the model. Each replica adds its
+own rows, as TensorFlow's SYNC_ON_READ variables do; when the step ends the replicas'
+additions are summed, so the state stays mirrored and `result()` is the metric of the whole
+global batch, anywhere. Padded rows of a ragged batch are masked out automatically.
+
+Example:
+    >>> with strategy.scope():
+    ...     accuracy = mirrored.metrics.SparseCategoricalAccuracy()
+    >>> def step(model, accuracy, x, y):
+    ...     accuracy.update_state(y, model(x))
+    >>> strategy.run(step, args=(model, accuracy, xb, yb))
+    >>> float(accuracy.result())
+
+Subclass `Metric` for your own: create `MetricState` sums in `__init__` with `add_variable`,
+add to them in `update_state` (weights from `self.weights(...)` mask the padding), and
+compute `result()` from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mirrored._nnx.metrics import MetricState, row_mask, warn_if_a_loss_share
+
+logger = logging.getLogger("mirrored.metrics")
+
+__all__ = [
+    "AUC",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "Mean",
+    "MeanAbsoluteError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "Metric",
+    "MetricState",
+    "Precision",
+    "Recall",
+    "SparseCategoricalAccuracy",
+    "SparseTopKCategoricalAccuracy",
+    "Sum",
+]
+
+_EPSILON = 1e-7  # Keras' backend.epsilon()
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower().replace("a_u_c", "auc")
+
+
+def _div_no_nan(a: Any, b: Any) -> Any:
+    safe = jnp.where(b == 0, 1, b)
+    return jnp.where(b == 0, 0, a / safe)
+
+
+def _squeeze_or_expand(values: Any, weights: Any) -> tuple[Any, Any]:
+    """Keras' `squeeze_or_expand_to_same_rank` for weights against values."""
+    if weights.ndim == 0:
+        return values, weights
+    if weights.ndim == values.ndim + 1 and weights.shape[-1] == 1:
+        weights = weights[..., 0]
+    while weights.ndim < values.ndim:
+        weights = weights[..., None]
+    if values.ndim == weights.ndim - 1:
+        values = values[..., None]
+    return values, weights
+
+
+class Metric(nnx.Module):
+    """Base of the metrics: Keras' `update_state`, `result`, `reset_state` and `name`."""
+
+    def __init__(self, name: str | None = None, dtype: Any = jnp.float32) -> None:
+        self.name = name or _snake(type(self).__name__)
+        self.dtype = jnp.dtype(dtype)
+
+    def add_variable(self, shape: Sequence[int] = (), dtype: Any = None) -> MetricState:
+        """A running sum of `shape`, zero; mirrored when created inside `strategy.scope()`."""
+        return MetricState(jnp.zeros(tuple(shape), dtype or self.dtype))
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"Expected {type(self).__name__} to define update_state(...); it does not. Fix: "
+            "add to its MetricState sums there."
+        )
+
+    def result(self) -> jax.Array:
+        raise NotImplementedError(
+            f"Expected {type(self).__name__} to define result(); it does not. Fix: compute "
+            "it from its MetricState sums."
+        )
+
+    def reset_state(self) -> None:
+        """Every running sum back to zero (placement kept: still mirrored)."""
+        for _, state in nnx.iter_graph(self):
+            if isinstance(state, MetricState):
+                state[...] = jnp.zeros_like(state[...])
+
+    def reset_states(self) -> None:
+        """Keras 2's name of `reset_state` (TensorFlow's tutorials still call it)."""
+        self.reset_state()
+
+    def weights(self, values: Any, sample_weight: Any = None) -> Any:
+        """Per-row weights for `values` (batch first): `sample_weight` times the real-row mask.
+
+        Padded rows of a ragged batch get weight 0; without `sample_weight` real rows get 1.
+        Returns values' shape broadcast, in the metric's dtype.
+        """
+        values = jnp.asarray(values)
+        weight = jnp.ones(values.shape, self.dtype)
+        if sample_weight is not None:
+            values, w = _squeeze_or_expand(values, jnp.asarray(sample_weight, self.dtype))
+            weight = jnp.broadcast_to(w, values.shape).astype(self.dtype)
+        mask = row_mask(values)
+        if mask is not None:
+            weight = weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1))
+        return weight
+
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+        """`update_state(...)` then `result()`, as a Keras metric called directly."""
+        self.update_state(*args, **kwargs)
+        return self.result()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# -- reductions -----------------------------------------------------------------------------------
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values seen: Keras' `metrics.Sum`."""
+
+    def __init__(self, name: str = "sum", dtype: Any = jnp.float32) -> None:
+        super().__init__(name, dtype)
+        self.total = self.add_variable()
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        values = jnp.asarray(values, self.dtype)
+        self.total[...] = self.total[...] + jnp.sum(values * self.weights(values, sample_weight))
+
+    def result(self) -> jax.Array:
+        return self.total[...]
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values seen: Keras' `metrics.Mean`.
+
+    A value per example (batch first) counts once per example, each row averaged over its
+    other axes; a scalar (a per-replica loss) counts once.
+    """
+
+    def __init__(self, name: str = "mean", dtype: Any = jnp.float32) -> None:
+        super().__init__(name, dtype)
+        self.total = self.add_variable()
+        self.count = self.add_variable()
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        values = jnp.asarray(values, self.dtype)
+        if values.ndim == 0 and sample_weight is None:  # one value: counts once
+            warn_if_a_loss_share(f"{type(self).__name__}({self.name!r})", values)
+            self.total[...] = self.total[...] + values
+            self.count[...] = self.count[...] + 1
+            return
+        if sample_weight is None:
+            weight = jnp.ones(values.shape[:1], self.dtype)
+        else:  # Keras' reduce_to_samplewise_values: values to the weights' rank, then per row
+            values, weight = _squeeze_or_expand(values, jnp.asarray(sample_weight, self.dtype))
+            if weight.ndim and values.ndim > weight.ndim:
+                values = values.mean(axis=tuple(range(weight.ndim, values.ndim)))
+            weight = jnp.broadcast_to(weight, values.shape)
+        mask = row_mask(values)
+        if mask is not None:
+            weight = weight * mask.reshape(mask.shape + (1,) * (weight.ndim - 1))
+        values = values * weight.reshape(weight.shape + (1,) * (values.ndim - weight.ndim))
+        rows = values.reshape(values.shape[0], -1).mean(axis=1) if values.ndim > 1 else values
+        counts = weight.reshape(weight.shape[0], -1).mean(axis=1) if weight.ndim > 1 else weight
+        self.total[...] = self.total[...] + jnp.sum(rows)
+        self.count[...] = self.count[...] + jnp.sum(counts)
+
+    def result(self) -> jax.Array:
+        return _div_no_nan(self.total[...], self.count[...])
+
+
+class MeanMetricWrapper(Mean):
+    """The mean over examples of `fn(y_true, y_pred)`: Keras' `MeanMetricWrapper`."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any, Any], Any],
+        name: str | None = None,
+        dtype: Any = jnp.float32,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name or str(getattr(fn, "__name__", "mean_metric")), dtype)
+        self._fn = fn
+        self._fn_kwargs = kwargs
+
+    def values(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """One value per example (batch first), before weighting."""
+        return jnp.asarray(self._fn(y_true, y_pred, **self._fn_kwargs))
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        super().update_state(self.values(y_true, y_pred), sample_weight)
+
+
+# -- accuracies and errors (Keras' metric functions) ----------------------------------------------
+
+
+def _labels_like(y_true: Any, y_pred: Any) -> Any:
+    """(B, 1) labels for (B,) predictions and the reverse, as Keras squeezes them."""
+    y_true = jnp.asarray(y_true)
+    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        return y_true[..., 0]
+    if y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        return y_true[..., None]
+    return y_true
+
+
+def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+    y_pred = jnp.asarray(y_pred)
+    return (_labels_like(y_true, y_pred) == y_pred).astype(jnp.float32)
+
+
+def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> jax.Array:
+    y_pred = jnp.asarray(y_pred)
+    y_true = _labels_like(y_true, y_pred)
+    return ((y_pred > threshold).astype(y_true.dtype) == y_true).astype(jnp.float32)
+
+
+def categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+    return (jnp.argmax(y_true, -1) == jnp.argmax(y_pred, -1)).astype(jnp.float32)
+
+
+def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
+    y_true = jnp.asarray(y_true)
+    y_pred = jnp.asarray(y_pred)
+    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
+        y_true = y_true[..., 0]
+    return (jnp.argmax(y_pred, -1) == y_true.astype(jnp.int32)).astype(jnp.float32)
+
+
+def sparse_top_k_categorical_accuracy(y_true: Any, y_pred: Any, k: int = 5) -> jax.Array:
+    y_true = jnp.asarray(y_true)
+    y_pred = jnp.asarray(y_pred)
+    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
+        y_true = y_true[..., 0]
+    top = jax.lax.top_k(y_pred, min(k, y_pred.shape[-1]))[1]
+    return jnp.any(top == y_true.astype(top.dtype)[..., None], axis=-1).astype(jnp.float32)
+
+
+def mean_squared_error(y_true: Any, y_pred: Any) -> jax.Array:
+    y_pred = jnp.asarray(y_pred, jnp.float32)
+    return jnp.mean(jnp.square(y_pred - _labels_like(y_true, y_pred)), axis=-1)
+
+
+def mean_absolute_error(y_true: Any, y_pred: Any) -> jax.Array:
+    y_pred = jnp.asarray(y_pred, jnp.float32)
+    return jnp.mean(jnp.abs(y_pred - _labels_like(y_true, y_pred)), axis=-1)
+
+
+class Accuracy(MeanMetricWrapper):
+    """How often predictions equal labels: Keras' `metrics.Accuracy`."""
+
+    def __init__(self, name: str = "accuracy", dtype: Any = jnp.float32) -> None:
+        super().__init__(accuracy, name, dtype)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often `y_pred > threshold` equals binary labels: Keras' `metrics.BinaryAccuracy`."""
+
+    def __init__(
+        self, name: str = "binary_accuracy", dtype: Any = jnp.float32, threshold: float = 0.5
+    ) -> None:
+        super().__init__(binary_accuracy, name, dtype, threshold=threshold)
+        self.threshold = threshold
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """Argmax of one-hot labels against argmax of predictions."""
+
+    def __init__(self, name: str = "categorical_accuracy", dtype: Any = jnp.float32) -> None:
+        super().__init__(categorical_accuracy, name, dtype)
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """Integer labels against argmax of predictions."""
+
+    def __init__(self, name: str = "sparse_categorical_accuracy", dtype: Any = jnp.float32) -> None:
+        super().__init__(sparse_categorical_accuracy, name, dtype)
+
+
+class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
+    """How often the integer label is among the `k` highest predictions (Keras' k=5)."""
+
+    def __init__(
+        self,
+        k: int = 5,
+        name: str = "sparse_top_k_categorical_accuracy",
+        dtype: Any = jnp.float32,
+    ) -> None:
+        super().__init__(sparse_top_k_categorical_accuracy, name, dtype, k=k)
+        self.k = k
+
+
+class MeanSquaredError(MeanMetricWrapper):
+    """Mean over examples of the mean squared error over the last axis."""
+
+    def __init__(self, name: str = "mean_squared_error", dtype: Any = jnp.float32) -> None:
+        super().__init__(mean_squared_error, name, dtype)
+
+
+class MeanAbsoluteError(MeanMetricWrapper):
+    """Mean over examples of the mean absolute error over the last axis."""
+
+    def __init__(self, name: str = "mean_absolute_error", dtype: Any = jnp.float32) -> None:
+        super().__init__(mean_absolute_error, name, dtype)
+
+
+# -- confusion-matrix metrics ---------------------------------------------------------------------
+
+
+class _Confusion(Metric):
+    """True/false positives/negatives at each threshold, from predictions in [0, 1]."""
+
+    def __init__(self, thresholds: Sequence[float], name: str | None, dtype: Any) -> None:
+        super().__init__(name, dtype)
+        self.thresholds = tuple(float(t) for t in thresholds)  # static, not state
+        shape = (len(self.thresholds),)
+        self.true_positives = self.add_variable(shape)
+        self.false_positives = self.add_variable(shape)
+        self.true_negatives = self.add_variable(shape)
+        self.false_negatives = self.add_variable(shape)
+
+    def _predictions(self, y_pred: Any) -> Any:
+        return jnp.asarray(y_pred, jnp.float32)
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        y_pred = self._predictions(y_pred)
+        y_true = jnp.broadcast_to(_labels_like(y_true, y_pred), y_pred.shape)
+        weight = self.weights(y_pred, sample_weight).reshape(-1)
+        positive = y_true.reshape(-1).astype(bool)
+        above = y_pred.reshape(-1)[None, :] > jnp.asarray(self.thresholds, jnp.float32)[:, None]
+        w = weight[None, :]
+        add = [
+            (self.true_positives, above & positive),
+            (self.false_positives, above & ~positive),
+            (self.true_negatives, ~above & ~positive),
+            (self.false_negatives, ~above & positive),
+        ]
+        for state, hit in add:
+            state[...] = state[...] + jnp.sum(jnp.where(hit, w, 0.0), axis=1).astype(self.dtype)
+
+
+class _AtThresholds(_Confusion):
+    """A confusion ratio at `thresholds` (Keras' default 0.5): a scalar for one threshold given
+    as a number or by default, one value per threshold for a list."""
+
+    def __init__(self, thresholds: float | Sequence[float] | None, name: str, dtype: Any) -> None:
+        self._scalar = thresholds is None or np.ndim(thresholds) == 0
+        super().__init__(
+            np.atleast_1d(0.5 if thresholds is None else thresholds).tolist(), name, dtype
+        )
+
+    def _ratio(self, hits: jax.Array, misses: jax.Array) -> jax.Array:
+        out = _div_no_nan(hits, hits + misses)
+        return out[0] if self._scalar else out
+
+
+class Precision(_AtThresholds):
+    """`TP / (TP + FP)` of `y_pred > threshold` (Keras' default threshold 0.5)."""
+
+    def __init__(
+        self,
+        thresholds: float | Sequence[float] | None = None,
+        name: str = "precision",
+        dtype: Any = jnp.float32,
+    ) -> None:
+        super().__init__(thresholds, name, dtype)
+
+    def result(self) -> jax.Array:
+        return self._ratio(self.true_positives[...], self.false_positives[...])
+
+
+class Recall(_AtThresholds):
+    """`TP / (TP + FN)` of `y_pred > threshold` (Keras' default threshold 0.5)."""
+
+    def __init__(
+        self,
+        thresholds: float | Sequence[float] | None = None,
+        name: str = "recall",
+        dtype: Any = jnp.float32,
+    ) -> None:
+        super().__init__(thresholds, name, dtype)
+
+    def result(self) -> jax.Array:
+        return self._ratio(self.true_positives[...], self.false_negatives[...])
+
+
+class AUC(_Confusion):
+    """Area under the ROC (or PR) curve over `num_thresholds` thresholds: Keras' `metrics.AUC`.
+
+    Keras' defaults: 200 thresholds evenly spaced in (0, 1) plus the endpoints -1e-7 and
+    1 + 1e-7, `curve="ROC"`, `summation_method="interpolation"`; `from_logits=True` applies a
+    sigmoid first. An approximation of the exact AUC that improves with `num_thresholds`.
+    """
+
+    def __init__(
+        self,
+        num_thresholds: int = 200,
+        curve: str = "ROC",
+        summation_method: str = "interpolation",
+        name: str = "auc",
+        dtype: Any = jnp.float32,
+        from_logits: bool = False,
+    ) -> None:
+        if not isinstance(num_thresholds, int) or num_thresholds <= 1:
+            raise ValueError(
+                f"Expected num_thresholds to be an int > 1; found {num_thresholds!r}. Fix: "
+                "e.g. num_thresholds=200 (Keras' default)."
+            )
+        curve, summation_method = curve.upper(), summation_method.lower()
+        if curve not in ("ROC", "PR") or summation_method not in (
+            "interpolation",
+            "minoring",
+            "majoring",
+        ):
+            raise ValueError(
+                f"Expected curve 'ROC' or 'PR' and summation_method 'interpolation', "
+                f"'minoring' or 'majoring'; found {curve!r}, {summation_method!r}. Fix: use "
+                "one of those (Keras' names)."
+            )
+        inner = [(i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2)]
+        super().__init__([-_EPSILON, *inner, 1.0 + _EPSILON], name, dtype)
+        self.num_thresholds = num_thresholds
+        self.curve = curve
+        self.summation_method = summation_method
+        self.from_logits = from_logits
+
+    def _predictions(self, y_pred: Any) -> Any:
+        y_pred = jnp.asarray(y_pred, jnp.float32)
+        return jax.nn.sigmoid(y_pred) if self.from_logits else y_pred
+
+    def result(self) -> jax.Array:
+        tp, fp = self.true_positives[...], self.false_positives[...]
+        tn, fn = self.true_negatives[...], self.false_negatives[...]
+        if self.curve == "PR" and self.summation_method == "interpolation":
+            return self._interpolate_pr(tp, fp, fn)
+        recall = _div_no_nan(tp, tp + fn)
+        if self.curve == "ROC":
+            x, y = _div_no_nan(fp, fp + tn), recall
+        else:
+            x, y = recall, _div_no_nan(tp, tp + fp)
+        if self.summation_method == "interpolation":
+            heights = (y[:-1] + y[1:]) / 2.0
+        elif self.summation_method == "minoring":
+            heights = jnp.minimum(y[:-1], y[1:])
+        else:
+            heights = jnp.maximum(y[:-1], y[1:])
+        return jnp.sum((x[:-1] - x[1:]) * heights)
+
+    @staticmethod
+    def _interpolate_pr(tp: Any, fp: Any, fn: Any) -> jax.Array:
+        """Keras' closed form of Davis & Goadrich's interpolated PR area."""
+        dtp = tp[:-1] - tp[1:]
+        p = tp + fp
+        dp = p[:-1] - p[1:]
+        slope = _div_no_nan(dtp, jnp.maximum(dp, 0))
+        intercept = tp[1:] - slope * p[1:]
+        ratio = jnp.where(
+            (p[:-1] > 0) & (p[1:] > 0), _div_no_nan(p[:-1], jnp.maximum(p[1:], 0)), 1.0
+        )
+        return jnp.sum(
+            _div_no_nan(slope * (dtp + intercept * jnp.log(ratio)), jnp.maximum(tp[1:] + fn[1:], 0))
+        )
+
+
+# -- Keras' names ---------------------------------------------------------------------------------
+
+_NAMED: dict[str, Callable[[], Metric]] = {
+    "mean_squared_error": MeanSquaredError,
+    "mse": lambda: MeanSquaredError(name="mse"),
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": lambda: MeanAbsoluteError(name="mae"),
+    "binary_accuracy": BinaryAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "sparse_top_k_categorical_accuracy": SparseTopKCategoricalAccuracy,
+    "precision": Precision,
+    "recall": Recall,
+    "auc": AUC,
+}
+
+
+def get(name: str) -> Metric:
+    """A metric from its Keras string name (`"accuracy"` needs the loss: use the Trainer)."""
+    if name not in _NAMED:
+        raise ValueError(
+            f"Expected a metric name from {sorted(_NAMED)}; found {name!r}. Fix: use one of "
+            "those, or a mirrored.metrics.Metric instance."
+        )
+    return _NAMED[name]()
