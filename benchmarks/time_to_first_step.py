@@ -44,7 +44,7 @@ def _class_source(path: Path, name: str) -> str:
 MODELS = {
     # name: (file, class, constructor, input shape, batch)
     "seed_mlp": (
-        ROOT / "src/mirrored/_bench.py",
+        ROOT / "src/mirrored/_cli/bench.py",
         "MLP",
         "MLP((128,), rngs=nnx.Rngs(0))",
         (784,),

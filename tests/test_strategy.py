@@ -146,4 +146,4 @@ def test_dispatch_is_bounded_with_several_replicas_and_free_with_one(
     strategy = mirrored.MirroredStrategy(devices[:n], max_in_flight=max_in_flight)
     for _ in range(5):
         strategy.run(lambda: jnp.ones(()))
-    assert len(strategy._runner._in_flight) == queued
+    assert len(strategy._runner.bound_dispatch._in_flight) == queued

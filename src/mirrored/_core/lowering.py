@@ -14,7 +14,21 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from mirrored._core import patching
+
 _INSTALLED: list[bool] = []
+_LOWERINGS = patching.target(
+    "jax._src.interpreters.mlir",
+    "_lowerings",
+    reason="(entries of psum, pmax, pmin) a one-member all-reduce lowers to its operand",
+    checked="jax 0.10.2",
+)
+_PLATFORM_LOWERINGS = patching.target(
+    "jax._src.interpreters.mlir",
+    "_platform_specific_lowerings",
+    reason="the same, for the platform-specific rules",
+    checked="jax 0.10.2",
+)
 
 
 def _one_member_groups(ctx: Any, axes: tuple[Any, ...]) -> bool:

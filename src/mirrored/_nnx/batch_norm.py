@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mirrored._core import context as _context
+from mirrored._core import patching
 from mirrored._core.mesh import REPLICA_AXIS
 
 
@@ -199,6 +200,12 @@ def _masked_call(
     return batch_norm(self, x, use_running_average, mask, synchronized=synchronized)
 
 
+_BATCH_NORM_CALL = patching.target(
+    "flax.nnx.BatchNorm",
+    "__call__",
+    reason="batch statistics over real rows only, global ones when synchronized",
+    checked="flax 0.12.8",
+)
 _synchronize_all: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "mirrored_synchronize_batch_norm", default=False
 )
@@ -231,5 +238,5 @@ def masked_batch_norm() -> Iterator[None]:
     Flax's own `mask=` averages per-replica means when synchronised and divides by zero on
     a replica with no real rows, so the statistics are computed here instead.
     """
-    with _context.patched_attribute(nnx.BatchNorm, "__call__", _masked_call):
+    with patching.temporarily(_BATCH_NORM_CALL, _masked_call):
         yield

@@ -16,6 +16,14 @@ import numpy as np
 from flax import nnx
 
 from mirrored._core import context as _context
+from mirrored._core import patching
+
+_METRIC_UPDATE = patching.target(
+    "flax.nnx.metrics.Metric",
+    "update",
+    reason="(on each metric class in a step) padded rows masked, additions summed over replicas",
+    checked="flax 0.12.8",
+)
 
 logger = logging.getLogger("mirrored.metrics")
 
@@ -187,7 +195,7 @@ def flax_metric_updates(classes: set[type]) -> Iterator[None]:
                 replacement = _flax_average
             else:
                 replacement = _checked_update(owner.__dict__["update"])
-            patches.enter_context(_context.patched_attribute(owner, "update", replacement))
+            patches.enter_context(patching.temporarily(_METRIC_UPDATE, replacement, owner=owner))
         yield
 
 

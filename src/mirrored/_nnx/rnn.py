@@ -10,6 +10,20 @@ import jax
 from flax import nnx
 
 from mirrored._core import context as _context
+from mirrored._core import patching
+
+_RNN_CALL = patching.target(
+    "flax.nnx.RNN",
+    "__call__",
+    reason="the carry starts varying across replicas (a scan carry may not change its type)",
+    checked="flax 0.12.8",
+)
+_INITIALIZE_CARRY = patching.target(
+    "flax.nnx.nn.recurrent.RNNCellBase",
+    "initialize_carry",
+    reason="(on the cell's own class) the zero carry is typed as varying across replicas",
+    checked="flax 0.12.8",
+)
 
 _flax_rnn_call = nnx.RNN.__call__
 
@@ -38,12 +52,12 @@ def _rnn_call(self: nnx.RNN, inputs: Any, *, initial_carry: Any = None, **kwargs
     def varying_carry(cell: Any, *args: Any, **kw: Any) -> Any:
         return jax.tree.map(_context.as_varying, initialize(cell, *args, **kw))
 
-    with _context.patched_attribute(owner, "initialize_carry", varying_carry):
+    with patching.temporarily(_INITIALIZE_CARRY, varying_carry, owner=owner):
         return _flax_rnn_call(self, inputs, **kwargs)
 
 
 @contextlib.contextmanager
 def varying_rnn_carries() -> Iterator[None]:
     """While a step is traced, `nnx.RNN` starts its carry varying across replicas."""
-    with _context.patched_attribute(nnx.RNN, "__call__", _rnn_call):
+    with patching.temporarily(_RNN_CALL, _rnn_call):
         yield

@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from mirrored._core import patching
+
 
 class _CachingJit:
     """`jax._src.api` for eager `shard_map`, whose every primitive calls `api.jit` on a new
@@ -39,6 +41,12 @@ class _CachingJit:
 
 
 _EAGER_JIT: list[_CachingJit] = []
+_SHARD_MAP_API = patching.target(
+    "jax._src.shard_map",
+    "api",
+    reason="eager shard_map's per-primitive programs cached (10x faster eager steps)",
+    checked="jax 0.10.2",
+)
 
 
 @contextlib.contextmanager
@@ -52,8 +60,5 @@ def _cached_eager_primitives() -> Iterator[None]:
         return
     if not _EAGER_JIT:
         _EAGER_JIT.append(_CachingJit(original))
-    shard_map_impl.api = _EAGER_JIT[0]  # type: ignore[assignment]
-    try:
+    with patching.temporarily(_SHARD_MAP_API, _EAGER_JIT[0]):
         yield
-    finally:
-        shard_map_impl.api = original

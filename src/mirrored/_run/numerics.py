@@ -18,10 +18,18 @@ import numpy as np
 from flax import nnx
 
 from mirrored._core import context as _context
+from mirrored._core import patching
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.mesh import REPLICA_AXIS
 
 logger = logging.getLogger("mirrored")
+
+_OPTIMIZER_UPDATE = patching.target(
+    "flax.nnx.Optimizer",
+    "update",
+    reason="check_numerics records the gradients a step applies",
+    checked="flax 0.12.8",
+)
 
 
 class CheckedProgram(Protocol):
@@ -123,17 +131,14 @@ def _report_pending_at_exit() -> None:
 def _capturing_gradients(seen: list[Any]) -> Iterator[None]:
     """While a step is traced under check_numerics: the gradients given to
     `nnx.Optimizer.update` (its `LossScaleOptimizer` hands it finite ones) are recorded."""
-    original = nnx.Optimizer.update
+    original = vars(nnx.Optimizer)["update"]
 
     def update(self: Any, model: Any, grads: Any, **kwargs: Any) -> Any:
         seen.append(grads)
         return original(self, model, grads, **kwargs)
 
-    nnx.Optimizer.update = update  # type: ignore[method-assign,assignment]
-    try:
+    with patching.temporarily(_OPTIMIZER_UPDATE, update):
         yield
-    finally:
-        nnx.Optimizer.update = original  # type: ignore[method-assign]
 
 
 def _leaf_name(path: Any) -> str:

@@ -31,6 +31,7 @@ from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.losses import loss as loss_module
 
 from mirrored._core import context as _context
+from mirrored._core import patching
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._nnx import batch_norm
 
@@ -296,6 +297,14 @@ def _defining(base: type, name: str) -> Iterator[type]:
             yield cls
 
 
+_UPDATE_STATE = patching.target(
+    "keras.metrics.Metric",
+    "update_state",
+    reason="(on every metric class in a padded batch's step) padded rows weigh 0",
+    checked="keras 3.15",
+)
+
+
 @contextlib.contextmanager
 def masked_keras_metrics() -> Iterator[None]:
     """While a padded batch's step is traced: every Keras metric weighs padded rows by 0."""
@@ -305,11 +314,8 @@ def masked_keras_metrics() -> Iterator[None]:
             if position is None:
                 continue
             original = cls.__dict__["update_state"]
-            stack.enter_context(
-                _context.patched_attribute(
-                    cls, "update_state", _masked_update_state(original, position)
-                )
-            )
+            replacement = _masked_update_state(original, position)
+            stack.enter_context(patching.temporarily(_UPDATE_STATE, replacement, owner=cls))
         yield
 
 
