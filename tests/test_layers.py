@@ -44,9 +44,8 @@ OVERSIZED = {
     "_train/trainer.py": "Trainer: the fit, evaluate and predict loops and their set-up",
     "_proof/profile.py": "profile: tracing, the per-op breakdown and the report",
     "_proof/verify.py": "verify: the checks and the runner of the checks",
-    "_strategy/strategy.py": "Strategy: scope, run, reduce and gather, default strategy",
 }
-OVERSIZED_CLASSES = {"Trainer", "Strategy"}
+OVERSIZED_CLASSES = {"Trainer"}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mirrored._core import context as _context
@@ -19,58 +17,12 @@ from mirrored._core import lowering as _lowering
 from mirrored._core import mesh as _mesh
 from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
-from mirrored._core.values import PerReplica, ReduceOp, ValueContext, is_per_replica, to_host
+from mirrored._core.values import PerReplica, ReduceOp, ValueContext
 from mirrored._data import input as _input
-from mirrored._run.errors import peer_failures
 from mirrored._run.runner import Runner
+from mirrored._strategy import cross_replica
 
 logger = logging.getLogger("mirrored")
-
-_REDUCERS = {
-    ReduceOp.SUM: jnp.sum,
-    ReduceOp.MEAN: jnp.mean,
-    ReduceOp.MAX: jnp.max,
-    ReduceOp.MIN: jnp.min,
-}
-
-
-@functools.partial(jax.jit, static_argnames=("op", "axes"))
-def _reduce_stacked(x: jax.Array, op: ReduceOp, axes: tuple[int, ...]) -> jax.Array:
-    # x has a leading replica axis; TensorFlow reduces over replicas and, with axis=k, also over
-    # axis k of each replica's value (so MEAN divides by the global element count).
-    reducer: Any = _REDUCERS[op]
-    return reducer(x, axis=(0, *(a + 1 for a in axes)))
-
-
-@functools.partial(jax.jit, static_argnames=("op", "axes"))
-def _reduce_masked_rows(
-    x: jax.Array, mask: jax.Array, op: ReduceOp, axes: tuple[int, ...]
-) -> jax.Array:
-    # x: (replicas, rows, ...) of a padded batch; mask: the batch's (replicas * rows,) mask;
-    # `axes` includes 0, the rows. Reduce over replicas and those axes, counting real rows
-    # only, as TensorFlow does on the unpadded, unevenly split batch.
-    where = jnp.broadcast_to(mask.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x.shape)
-    axes = (0, *(a + 1 for a in axes))
-    if op is ReduceOp.SUM:
-        return jnp.sum(x, axis=axes, where=where)
-    if op is ReduceOp.MEAN:
-        return jnp.mean(x, axis=axes, where=where)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        initial: Any = -jnp.inf if op is ReduceOp.MAX else jnp.inf
-    elif x.dtype == jnp.bool_:
-        initial = op is ReduceOp.MIN
-    else:
-        info = jnp.iinfo(x.dtype)
-        initial = info.min if op is ReduceOp.MAX else info.max
-    reducer = jnp.max if op is ReduceOp.MAX else jnp.min
-    return reducer(x, axis=axes, where=where, initial=initial)
-
-
-@functools.partial(jax.jit, static_argnames=("axis",))
-def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
-    x = jnp.moveaxis(x, 0, axis)
-    shape = x.shape
-    return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
 
 
 class StrategyMixError(RuntimeError, ValueError):
@@ -319,18 +271,6 @@ class Strategy:
 
     # -- cross-replica operations -----------------------------------------------------------------
 
-    def _stacked(self, value: Any) -> jax.Array:
-        if isinstance(value, PerReplica):
-            if value.num_replicas != self.num_replicas_in_sync:
-                raise ValueError(
-                    f"Expected a PerReplica over {self.num_replicas_in_sync} replicas; found one "
-                    f"over {value.num_replicas}. Fix: reduce with the strategy that produced it."
-                )
-            return value.stacked_value()
-        # A plain value counts as mirrored: every replica holds the same copy.
-        x = jnp.asarray(value)
-        return jnp.broadcast_to(x, (self.num_replicas_in_sync, *x.shape))
-
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine per-replica values into one value on the host side.
 
@@ -346,22 +286,7 @@ class Strategy:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
         self._runner.check_pending()  # check_numerics: raised before the value is read
-        op = ReduceOp.parse(reduce_op)
-
-        def one(v: Any) -> jax.Array:
-            with peer_failures():
-                return reduce_one(v)
-
-        def reduce_one(v: Any) -> jax.Array:
-            stacked = self._stacked(v)
-            axes = _axes(axis, stacked.ndim - 1, stacked.shape[1:])
-            mask = _mask_of(v)
-            if 0 in axes and mask is not None:
-                return _reduce_masked_rows(stacked, mask, op, axes)
-            _refuse_padded(v, "reduce", f"axis={axis}")
-            return _reduce_stacked(stacked, op, axes)
-
-        return jax.tree.map(one, value, is_leaf=is_per_replica)
+        return cross_replica.reduce(self, reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's value along `axis`, in replica order.
@@ -370,26 +295,7 @@ class Strategy:
         rows only, in order: the global batch as the dataset yielded it.
         """
         self._runner.check_pending()  # check_numerics: raised before the value is read
-
-        def one(v: Any) -> jax.Array:
-            stacked = self._stacked(v)
-            rank = stacked.ndim - 1
-            if not isinstance(axis, int) or not -rank <= axis < rank:
-                raise ValueError(
-                    f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
-                    f"shape {stacked.shape[1:]}; found {axis!r}."
-                )
-            mask = _mask_of(v)
-            if axis % rank == 0:
-                split_batch = isinstance(v, PerReplica) and not v.stacked
-                rows = v.global_value if split_batch else _concat_stacked(stacked, 0)
-                if mask is None:
-                    return rows
-                return jnp.asarray(to_host(rows)[to_host(mask)])  # only the real rows
-            _refuse_padded(v, "gather", f"axis={axis}")
-            return _concat_stacked(stacked, axis % rank)
-
-        return jax.tree.map(one, value, is_leaf=is_per_replica)
+        return cross_replica.gather(self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This process's replicas' values, one entry per replica, each on its own device.
@@ -398,11 +304,7 @@ class Strategy:
         last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
         """
         self._runner.check_pending()  # check_numerics: raised before the value is read
-        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
-        n = sum(1 for d in self._extended.worker_devices if d.process_index == jax.process_index())
-        with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh
-            columns = [_local_values(leaf, n) for leaf in leaves]
-        return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
+        return cross_replica.local_results(self, value)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -493,58 +395,6 @@ class Strategy:
             >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
         """
         return _input.distribute_from_function(self, dataset_fn, options)
-
-
-def _axes(axis: Any, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`reduce`'s axis (None, an int or a tuple of ints) as sorted non-negative axes."""
-    if axis is None:
-        return ()
-    axes = axis if isinstance(axis, tuple | list) else (axis,)
-    if not all(
-        isinstance(a, int | np.integer) and not isinstance(a, bool) and -rank <= a < rank
-        for a in axes
-    ) or len({int(a) % max(rank, 1) for a in axes}) != len(axes):
-        raise ValueError(
-            f"Expected axis to be None, an int or a tuple of distinct ints in [{-rank}, {rank}) "
-            f"for per-replica values of shape {shape}; found {axis!r}. Fix: axis=0 reduces "
-            "the batch axis too; axis=None combines the replicas only."
-        )
-    return tuple(sorted(int(a) % rank for a in axes))
-
-
-def _mask_of(value: Any) -> jax.Array | None:
-    return value._mask if isinstance(value, PerReplica) else None
-
-
-def _refuse_padded(value: Any, what: str, how: str) -> None:
-    """Raise when `value` is a padded batch whose padding `what(..., how)` would count."""
-    if not isinstance(value, PerReplica) or value._mask is None or value._count is None:
-        return
-    real, rows = int(to_host(value._count)), value._mask.shape[0]
-    if real == rows:
-        return
-    raise ValueError(
-        f"strategy.{what}(..., {how}) expected a value without padding; found a padded batch "
-        f"({real} real examples in {rows} rows, per replica shape {value.shape}): the padded "
-        "rows would enter the result. In TensorFlow the replicas' values would have different "
-        f"shapes here and the {what} would fail.\nFix: {what} along the batch axis, axis=0, "
-        "which counts real examples only, or combine per-example values inside strategy.run "
-        "(mirrored.compute_average_loss, or a sum weighted by "
-        "mirrored.get_replica_context().example_mask)."
-    )
-
-
-def _local_values(value: Any, n: int) -> list[Any]:
-    if not isinstance(value, PerReplica):
-        return [value] * n
-    array = value.global_value
-    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
-    out = [s.data[0] for s in shards] if value.stacked else [s.data for s in shards]
-    if value._mask is None:
-        return out
-    # Padding sits at the end of each replica's rows: keep the real ones, as TensorFlow does.
-    masks = sorted(value._mask.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return [x[: int(np.asarray(m.data).sum())] for x, m in zip(out, masks, strict=True)]
 
 
 class MirroredStrategy(Strategy):

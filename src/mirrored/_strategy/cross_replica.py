@@ -1,0 +1,201 @@
+"""Cross-replica operations on the host: `reduce`, `gather` and `experimental_local_results`,
+counting a padded batch's real rows only (TensorFlow's unevenly split last batch)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mirrored._core.values import PerReplica, ReduceOp, is_per_replica, to_host
+from mirrored._run.errors import peer_failures
+
+if TYPE_CHECKING:
+    from mirrored._core.hooks import StrategyLike
+
+_REDUCERS = {
+    ReduceOp.SUM: jnp.sum,
+    ReduceOp.MEAN: jnp.mean,
+    ReduceOp.MAX: jnp.max,
+    ReduceOp.MIN: jnp.min,
+}
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axes"))
+def _reduce_stacked(x: jax.Array, op: ReduceOp, axes: tuple[int, ...]) -> jax.Array:
+    # x has a leading replica axis; TensorFlow reduces over replicas and, with axis=k, also over
+    # axis k of each replica's value (so MEAN divides by the global element count).
+    reducer: Any = _REDUCERS[op]
+    return reducer(x, axis=(0, *(a + 1 for a in axes)))
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axes"))
+def _reduce_masked_rows(
+    x: jax.Array, mask: jax.Array, op: ReduceOp, axes: tuple[int, ...]
+) -> jax.Array:
+    # x: (replicas, rows, ...) of a padded batch; mask: the batch's (replicas * rows,) mask;
+    # `axes` includes 0, the rows. Reduce over replicas and those axes, counting real rows
+    # only, as TensorFlow does on the unpadded, unevenly split batch.
+    where = jnp.broadcast_to(mask.reshape(x.shape[:2] + (1,) * (x.ndim - 2)), x.shape)
+    axes = (0, *(a + 1 for a in axes))
+    if op is ReduceOp.SUM:
+        return jnp.sum(x, axis=axes, where=where)
+    if op is ReduceOp.MEAN:
+        return jnp.mean(x, axis=axes, where=where)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        initial: Any = -jnp.inf if op is ReduceOp.MAX else jnp.inf
+    elif x.dtype == jnp.bool_:
+        initial = op is ReduceOp.MIN
+    else:
+        info = jnp.iinfo(x.dtype)
+        initial = info.min if op is ReduceOp.MAX else info.max
+    reducer = jnp.max if op is ReduceOp.MAX else jnp.min
+    return reducer(x, axis=axes, where=where, initial=initial)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _concat_stacked(x: jax.Array, axis: int) -> jax.Array:
+    x = jnp.moveaxis(x, 0, axis)
+    shape = x.shape
+    return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+def _axes(axis: Any, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`reduce`'s axis (None, an int or a tuple of ints) as sorted non-negative axes."""
+    if axis is None:
+        return ()
+    axes = axis if isinstance(axis, tuple | list) else (axis,)
+    if not all(
+        isinstance(a, int | np.integer) and not isinstance(a, bool) and -rank <= a < rank
+        for a in axes
+    ) or len({int(a) % max(rank, 1) for a in axes}) != len(axes):
+        raise ValueError(
+            f"Expected axis to be None, an int or a tuple of distinct ints in [{-rank}, {rank}) "
+            f"for per-replica values of shape {shape}; found {axis!r}. Fix: axis=0 reduces "
+            "the batch axis too; axis=None combines the replicas only."
+        )
+    return tuple(sorted(int(a) % rank for a in axes))
+
+
+def _mask_of(value: Any) -> jax.Array | None:
+    return value._mask if isinstance(value, PerReplica) else None
+
+
+def _refuse_padded(value: Any, what: str, how: str) -> None:
+    """Raise when `value` is a padded batch whose padding `what(..., how)` would count."""
+    if not isinstance(value, PerReplica) or value._mask is None or value._count is None:
+        return
+    real, rows = int(to_host(value._count)), value._mask.shape[0]
+    if real == rows:
+        return
+    raise ValueError(
+        f"strategy.{what}(..., {how}) expected a value without padding; found a padded batch "
+        f"({real} real examples in {rows} rows, per replica shape {value.shape}): the padded "
+        "rows would enter the result. In TensorFlow the replicas' values would have different "
+        f"shapes here and the {what} would fail.\nFix: {what} along the batch axis, axis=0, "
+        "which counts real examples only, or combine per-example values inside strategy.run "
+        "(mirrored.compute_average_loss, or a sum weighted by "
+        "mirrored.get_replica_context().example_mask)."
+    )
+
+
+def _local_values(value: Any, n: int) -> list[Any]:
+    if not isinstance(value, PerReplica):
+        return [value] * n
+    array = value.global_value
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    out = [s.data[0] for s in shards] if value.stacked else [s.data for s in shards]
+    if value._mask is None:
+        return out
+    # Padding sits at the end of each replica's rows: keep the real ones, as TensorFlow does.
+    masks = sorted(value._mask.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return [x[: int(np.asarray(m.data).sum())] for x, m in zip(out, masks, strict=True)]
+
+
+def stacked(strategy: StrategyLike, value: Any) -> jax.Array:
+    if isinstance(value, PerReplica):
+        if value.num_replicas != strategy.num_replicas_in_sync:
+            raise ValueError(
+                f"Expected a PerReplica over {strategy.num_replicas_in_sync} replicas; found one "
+                f"over {value.num_replicas}. Fix: reduce with the strategy that produced it."
+            )
+        return value.stacked_value()
+    # A plain value counts as mirrored: every replica holds the same copy.
+    x = jnp.asarray(value)
+    return jnp.broadcast_to(x, (strategy.num_replicas_in_sync, *x.shape))
+
+
+def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: int | None) -> Any:
+    """Combine per-replica values into one value on the host side.
+
+    `axis=None` combines across replicas only. `axis=k` also reduces along axis `k` of each
+    replica's value, so `MEAN` divides by the global number of elements.
+
+    A padded batch, or an output of `run` computed per example from one, carries the
+    batch's mask: `axis=0` counts its real rows only, exactly as TensorFlow counts the
+    unevenly split last batch (`[5, 6, 7]` on 2 replicas: `MEAN` is 6.0). Other axes would
+    mix padding into the result and raise while the batch is padded.
+
+    Example:
+        >>> strategy.reduce("SUM", per_replica_loss, axis=None)
+    """
+    op = ReduceOp.parse(reduce_op)
+
+    def one(v: Any) -> jax.Array:
+        with peer_failures():
+            return reduce_one(v)
+
+    def reduce_one(v: Any) -> jax.Array:
+        values = stacked(strategy, v)
+        axes = _axes(axis, values.ndim - 1, values.shape[1:])
+        mask = _mask_of(v)
+        if 0 in axes and mask is not None:
+            return _reduce_masked_rows(values, mask, op, axes)
+        _refuse_padded(v, "reduce", f"axis={axis}")
+        return _reduce_stacked(values, op, axes)
+
+    return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
+    """Concatenate every replica's value along `axis`, in replica order.
+
+    On a padded batch (or `run`'s per-example outputs over one), `axis=0` keeps the real
+    rows only, in order: the global batch as the dataset yielded it.
+    """
+
+    def one(v: Any) -> jax.Array:
+        values = stacked(strategy, v)
+        rank = values.ndim - 1
+        if not isinstance(axis, int) or not -rank <= axis < rank:
+            raise ValueError(
+                f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
+                f"shape {values.shape[1:]}; found {axis!r}."
+            )
+        mask = _mask_of(v)
+        if axis % rank == 0:
+            split_batch = isinstance(v, PerReplica) and not v.stacked
+            rows = v.global_value if split_batch else _concat_stacked(values, 0)
+            if mask is None:
+                return rows
+            return jnp.asarray(to_host(rows)[to_host(mask)])  # only the real rows
+        _refuse_padded(v, "gather", f"axis={axis}")
+        return _concat_stacked(values, axis % rank)
+
+    return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+def local_results(strategy: StrategyLike, value: Any) -> tuple[Any, ...]:
+    """This process's replicas' values, one entry per replica, each on its own device.
+
+    A padded batch shows each replica's real rows only (as TensorFlow's unevenly split
+    last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
+    """
+    leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+    n = sum(1 for d in strategy.extended.worker_devices if d.process_index == jax.process_index())
+    with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh
+        columns = [_local_values(leaf, n) for leaf in leaves]
+    return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
