@@ -17,7 +17,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import SmallMLP, global_batches, params_of, train_step
-from mirrored._proof import profile as _profile
+from mirrored._proof import trace
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = global_batches(8, 64)
@@ -180,15 +180,15 @@ def test_collective_sizes_and_interval_arithmetic():
         "  ROOT %all-gather-start = bf16[8,16]{1,0} all-gather-start(%c)\n"
         "  %add.3 = f32[4]{0} add(%d, %e)\n"
     )
-    assert _profile.collective_bytes(hlo) == {
+    assert trace.collective_bytes(hlo) == {
         "all-reduce.1": 4 * (784 * 128 + 128),
         "all-gather-start": 2 * 8 * 16,
     }
-    assert _profile.kind_of("all-reduce.7") == "all-reduce"
-    assert _profile.kind_of("all-gather-start") == "all-gather"
-    assert _profile.kind_of("ynn_fusion.3") is None
-    assert _profile._union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
-    assert _profile._minus([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    assert trace.kind_of("all-reduce.7") == "all-reduce"
+    assert trace.kind_of("all-gather-start") == "all-gather"
+    assert trace.kind_of("ynn_fusion.3") is None
+    assert trace._union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert trace._minus([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
 
 
 def test_doctor_profile_writes_the_trace_and_reports_the_breakdown(tmp_path):

@@ -12,7 +12,7 @@ from flax import nnx
 
 import mirrored
 from _helpers import SmallMLP, global_batches, subprocess_env, train_step
-from mirrored._proof import verify as _verify
+from mirrored._proof import checks as _checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_per_replica_batch_size_passed_where_the_global_one_is_expected(devices)
     check = mirrored.verify(strategy, train_step, args)["Input"]
     assert check.status == "INFO"
     assert "4 example(s)" in check.explanation and "batch_size=256" in check.explanation
-    check = _verify.check_input(8, 8)  # one example per replica: nearly always a mix-up
+    check = _checks.check_input(8, 8)  # one example per replica: nearly always a mix-up
     assert check.status == "WARN" and "batch_size=64" in check.explanation
 
 
@@ -115,7 +115,7 @@ def test_diverged_arrays_are_named_with_their_difference(devices):
         jax.device_put(np.full(3, float(i == 5), np.float32), d) for i, d in enumerate(devices)
     ]
     diverged = jax.make_array_from_single_device_arrays((3,), sharding, shards)
-    check = _verify.check_in_sync({"model.w": diverged, "ok": jax.device_put(np.ones(3), sharding)})
+    check = _checks.check_in_sync({"model.w": diverged, "ok": jax.device_put(np.ones(3), sharding)})
     assert check.status == "FAIL" and check.data == {"variable": "model.w", "max_difference": 1.0}
 
 
@@ -128,19 +128,19 @@ def test_silently_on_one_device_when_eight_were_expected(devices):
 
 
 def test_pure_checks():
-    assert _verify.count_all_reduces("%a = f32[] all-reduce(x)\n%b = all-reduce-start(y)") == 2
-    assert _verify.check_collectives("", 4).status == "FAIL"
-    gpu_warning = _verify.check_devices(
+    assert _checks.count_all_reduces("%a = f32[] all-reduce(x)\n%b = all-reduce-start(y)") == 2
+    assert _checks.check_collectives("", 4).status == "FAIL"
+    gpu_warning = _checks.check_devices(
         used=jax.devices()[:1], found=jax.devices()[:1], gpus_visible=True
     )
     assert gpu_warning.status == "WARN" and "jax[cuda12]" in gpu_warning.explanation
-    unused = _verify.check_devices(used=jax.devices()[:2], found=jax.devices())
+    unused = _checks.check_devices(used=jax.devices()[:2], found=jax.devices())
     assert unused.status == "WARN" and "6 device(s) unused" in unused.summary
-    steps = _verify.check_input(8, 64, dataset_size=1000, steps_per_epoch=125)
+    steps = _checks.check_input(8, 64, dataset_size=1000, steps_per_epoch=125)
     assert steps.status == "WARN" and "16 steps" in steps.explanation
-    ragged = _verify.check_input(8, 64, dataset_size=1000)
+    ragged = _checks.check_input(8, 64, dataset_size=1000)
     assert ragged.data["last_batch"] == 40 and "ragged last batch of 40" in ragged.summary
-    half = _verify.check_equivalence({"w": np.full(3, 0.5)}, {"w": np.ones(3)}, 2)
+    half = _checks.check_equivalence({"w": np.full(3, 0.5)}, {"w": np.ones(3)}, 2)
     assert "0.5× too small" in half.summary and "1/2" in half.explanation
 
 

@@ -19,8 +19,9 @@ from mirrored._persist.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from mirrored._proof.checks import Check, Report
 from mirrored._proof.profile import ProfileReport, profile
-from mirrored._proof.verify import Check, Report, verify
+from mirrored._proof.verify import verify
 from mirrored._run.errors import PeerFailureError, PythonBranchError, ReplicaDivergenceError
 from mirrored._strategy.losses import compute_average_loss, scale_regularization_loss
 from mirrored._strategy.strategy import (
