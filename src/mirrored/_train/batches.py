@@ -1,0 +1,129 @@
+"""What `fit`, `evaluate` and `predict` take: arrays, placed batches, sample weights, and
+the logs they hand callbacks."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from mirrored._core import settings as config
+from mirrored._core.values import PerReplica, is_per_replica
+
+logger = logging.getLogger("mirrored")
+
+
+class _Logs(Mapping[str, float]):
+    """Epoch-so-far logs, read from the devices only when a callback looks at them."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+        self._values: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = self._read()
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+def _is_arrays(x: Any) -> bool:
+    if isinstance(x, np.ndarray | jax.Array):
+        return True
+    if isinstance(x, dict):
+        return all(isinstance(v, np.ndarray | jax.Array) for v in jax.tree.leaves(x))
+    return False
+
+
+def _placed_batches(x: Any) -> bool:
+    """A list of batches already distributed (their leaves are PerReplica values)."""
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(v, PerReplica) for v in jax.tree.leaves(x[0], is_leaf=is_per_replica))
+    )
+
+
+class _Placed:
+    """Batches the caller already distributed: every epoch replays them in order."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
+        del epoch
+        return iter(self._batches[skip:])
+
+
+def _batch_args(batch: Any) -> tuple[Any, ...]:
+    if not isinstance(batch, tuple | list) or not 1 <= len(batch) <= 3:
+        raise ValueError(
+            "Expected the dataset to yield (x, y) or (x, y, sample_weight) tuples; found a "
+            f"{type(batch).__name__}. Fix: yield tuples, e.g. map each element to (x, y)."
+        )
+    return tuple(batch)
+
+
+def _eager_when_asked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` with its steps run eagerly when the trainer's `run_eagerly` is set."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with config.eager_within(self.run_eagerly):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if batch_size is None:
+        return
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
+        raise TypeError(
+            f"Expected batch_size to be a positive int (the GLOBAL batch size) or None; found "
+            f"{batch_size!r} ({type(batch_size).__name__}). Fix: e.g. batch_size=256."
+        )
+    if batch_size < 1:
+        raise ValueError(
+            f"Expected batch_size to be a positive int (the GLOBAL batch size) or None; found "
+            f"{batch_size}. Fix: e.g. batch_size=256, or leave it unset for Keras' default 32."
+        )
+
+
+def _sample_weights(sample_weight: Any, x: Any) -> np.ndarray:
+    weights = np.asarray(sample_weight)
+    rows = len(jax.tree.leaves(x)[0])
+    if (
+        weights.ndim not in (1, 2)
+        or weights.shape[0] != rows
+        or weights.shape[1:] not in ((), (1,))
+    ):
+        raise ValueError(
+            f"Expected sample_weight with one weight per example of x: shape ({rows},) or "
+            f"({rows}, 1); found shape {weights.shape}. Fix: pass one weight per row of x."
+        )
+    return weights
+
+
+def _ratio(total: float, count: float) -> float:
+    return float(total / count) if count else math.nan
+
+
+def _has_per_replica(value: Any) -> bool:
+    return any(is_per_replica(v) for v in jax.tree.leaves(value, is_leaf=is_per_replica))

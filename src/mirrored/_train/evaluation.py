@@ -1,0 +1,178 @@
+"""`Trainer.evaluate` and `Trainer.predict` (and fit's validation): the eval loops."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mirrored._core.values import to_host
+from mirrored._data.input import DistributedDataset, source_length
+from mirrored._strategy.strategy import Strategy
+from mirrored._train.batches import (
+    _batch_args,
+    _eager_when_asked,
+    _has_per_replica,
+    _is_arrays,
+    _Logs,
+)
+from mirrored._train.callbacks.base import Callback
+from mirrored._train.callbacks.callback_list import CallbackList
+from mirrored._train.steps import _plus_steps
+
+logger = logging.getLogger("mirrored")
+
+
+class Evaluation:
+    """The evaluation half of `Trainer`: `evaluate`, `predict`, fit's validation."""
+
+    # Set by `Trainer.__init__`; the methods that read them are Trainer's.
+    strategy: Strategy
+    model: Any
+    steps_per_execution: int
+    _stateful: Any
+    _eval_step: Any
+    _eval_additions: Any
+    _predict_step: Any
+    _dataset: Callable[..., DistributedDataset]
+    _zeros: Callable[..., Any]
+    _read: Callable[..., dict[str, float]]
+    _reset_metrics: Callable[[], None]
+
+    def _eval_dataset(self, data: Any, batch_size: int | None) -> DistributedDataset:
+        weights = None
+        if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
+            x, y = data[0], data[1]
+            weights = data[2] if len(data) == 3 else None
+        else:
+            x, y = data, None
+        return self._dataset(
+            x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
+        )
+
+    def _run_eval(
+        self, dataset: DistributedDataset, callbacks: CallbackList, *, prefix: str = ""
+    ) -> dict[str, float]:
+        """One pass over `dataset`; `callbacks` get Keras' test hooks (fit's, when validating)."""
+        per_step = callbacks.overrides("on_test_batch_begin") or callbacks.overrides(
+            "on_test_batch_end"
+        )
+        callbacks.on_test_begin({})
+        self.model.eval()
+        totals = self._zeros()
+        self._reset_metrics()
+        batches = dataset.epoch_iterator(1)
+        step = 0
+        # steps_per_execution: K evaluation steps in one program, hooks every K steps (Keras).
+        while chunk := [
+            _batch_args(b) for b in itertools.islice(batches, self.steps_per_execution)
+        ]:
+            if per_step:
+                callbacks.on_test_batch_begin(step, logs={})
+            if self.steps_per_execution == 1:
+                totals = self.strategy.run(
+                    self._eval_step, args=(self.model, totals, self._stateful, *chunk[0])
+                )
+            else:
+                additions = self.strategy.run_steps(
+                    self._eval_additions,
+                    iter(chunk),
+                    steps=len(chunk),
+                    args=(self.model, self._stateful),
+                )
+                totals = _plus_steps(totals, additions)
+            step += len(chunk)
+            if per_step:
+                callbacks.on_test_batch_end(
+                    step - 1, logs=_Logs(functools.partial(self._read, totals))
+                )
+        logs = self._read(totals)
+        callbacks.on_test_end(logs)
+        return {prefix + name: value for name, value in logs.items()}
+
+    @_eager_when_asked
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        sample_weight: Any = None,
+        callbacks: Sequence[Callback] = (),
+        verbose: int = 0,
+    ) -> dict[str, float]:
+        """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas.
+
+        `sample_weight` weights the loss (and `weighted_metrics`) as in Keras. `callbacks` get
+        Keras' test hooks (`on_test_begin`, `on_test_batch_end`, ...). `verbose=1` shows a
+        progress bar on a terminal (one line elsewhere), as `fit` does; the default is quiet.
+        """
+        if y is None and sample_weight is not None:
+            raise ValueError(
+                "Expected labels y together with sample_weight; found y=None. Fix: "
+                "evaluate(x, y, sample_weight=w), or a dataset of (x, y, w) batches."
+            )
+        weighted = sample_weight is not None
+        data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
+        dataset = self._eval_dataset(data, batch_size)
+        callback_list = CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose)
+        callback_list.set_trainer(
+            self,
+            {
+                "epochs": 1,
+                "steps": source_length(dataset),
+                "batch_size": batch_size or 32,
+                "verbose": verbose,
+            },
+        )
+        return self._run_eval(dataset, callback_list)
+
+    @_eager_when_asked
+    def predict(
+        self,
+        x: Any,
+        *,
+        batch_size: int | None = None,
+        verbose: int = 0,
+        callbacks: Sequence[Callback] = (),
+    ) -> Any:
+        """Model outputs for every example of `x`, as NumPy, in input order, without padding.
+
+        `callbacks` get Keras' predict hooks (`on_predict_begin`, `on_predict_batch_end` with
+        `logs["outputs"]`, ...).
+        """
+        del verbose
+        dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
+        callback_list = CallbackList(callbacks)
+        callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})
+        per_step = callback_list.overrides("on_predict_batch_begin") or callback_list.overrides(
+            "on_predict_batch_end"
+        )
+        callback_list.on_predict_begin({})
+        self.model.eval()
+        outputs = []
+        for step, batch in enumerate(dataset.epoch_iterator(1)):
+            if per_step:
+                callback_list.on_predict_batch_begin(step, {})
+            out = self.strategy.run(
+                self._predict_step,
+                args=(self.model, batch[0] if isinstance(batch, tuple | list) else batch),
+            )
+            outputs.append(out)
+            if per_step:  # the batch's outputs on the host, real rows only (a sync per batch)
+                callback_list.on_predict_batch_end(step, {"outputs": self._host_rows(out)})
+        callback_list.on_predict_end({})
+        self.strategy._check_pending()
+        rows = [self._host_rows(out) for out in outputs]
+        return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
+
+    def _host_rows(self, out: Any) -> Any:
+        # Outputs per example of a padded batch carry its mask: gather keeps the real rows.
+        return jax.tree.map(
+            to_host, self.strategy.gather(out, axis=0) if _has_per_replica(out) else out
+        )

@@ -1,0 +1,289 @@
+"""`Trainer.fit`: the epoch loop, device-resident data, callbacks, validation."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mirrored._core import settings as config
+from mirrored._core.values import PerReplica, to_host
+from mirrored._data import batching as _batching
+from mirrored._data.input import DistributedDataset, source_length
+from mirrored._proof import profile as _profile
+from mirrored._strategy.strategy import Strategy
+from mirrored._train import objectives as _objectives
+from mirrored._train.batches import (
+    _batch_args,
+    _eager_when_asked,
+    _is_arrays,
+    _Logs,
+    _sample_weights,
+)
+from mirrored._train.callbacks.base import Callback, History
+from mirrored._train.callbacks.callback_list import CallbackList
+from mirrored._train.steps import _gathering, _plus_steps
+
+logger = logging.getLogger("mirrored")
+
+
+class FitLoop:
+    """The training half of `Trainer`: `fit` and its epoch loop."""
+
+    # Set by `Trainer.__init__`; the methods that read them are Trainer's.
+    strategy: Strategy
+    model: Any
+    optimizer: Any
+    loss: Any
+    rngs: Any
+    steps_per_execution: int
+    stop_training: bool
+    _stateful: Any
+    _train_step: Any
+    _train_additions: Any
+    _predict_step: Any
+    _train_totals: Any
+    _epoch: int
+    _interrupted: bool
+    _start: Any
+    _dataset: Callable[..., DistributedDataset]
+    _zeros: Callable[..., Any]
+    _read: Callable[..., dict[str, float]]
+    _reset_metrics: Callable[[], None]
+    _eval_dataset: Callable[..., DistributedDataset]
+    _run_eval: Callable[..., Any]
+    _host_rows: Callable[..., Any]
+
+    @_eager_when_asked
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        validation_data: Any = None,
+        validation_split: float = 0.0,
+        sample_weight: Any = None,
+        shuffle: bool = True,
+        callbacks: Sequence[Callback] = (),
+        initial_epoch: int = 0,
+        verbose: int = 1,
+        seed: int = 0,
+    ) -> History:
+        """Train for `epochs` epochs; returns the `History`.
+
+        `batch_size` is the GLOBAL batch (default 32), split over the replicas. Without
+        `steps_per_epoch`, an epoch is ceil(examples / batch_size) steps; the last, ragged
+        batch is padded and masked so every example counts exactly once. Shuffling is seeded by
+        `seed` and differs per epoch.
+
+        As in Keras: `sample_weight` (one weight per example of `x`) weights the loss that is
+        trained and logged; `validation_data` may be `(x, y)` or `(x, y, sample_weight)`;
+        `validation_split` holds out the last `n - floor(n * (1 - validation_split))`
+        examples before shuffling.
+        """
+        if not 0.0 <= validation_split < 1.0:
+            raise ValueError(
+                f"Expected validation_split in [0, 1); found {validation_split!r}. Fix: e.g. "
+                "validation_split=0.1 holds out the last 10% of the arrays."
+            )
+        if validation_split and validation_data is not None:
+            raise ValueError("Pass validation_data or validation_split, not both.")
+        if validation_split:
+            if not (_is_arrays(x) and _is_arrays(y)):
+                raise ValueError(
+                    "validation_split needs in-memory arrays x and y; found a dataset. Fix: "
+                    "pass validation_data=... instead."
+                )
+            rows = len(jax.tree.leaves(x)[0])
+            cut = math.floor(rows * (1.0 - validation_split))  # Keras' split_at
+            if cut == 0 or cut == rows:
+                raise ValueError(
+                    f"validation_split={validation_split} of {rows} examples leaves "
+                    f"{rows - cut} for validation and {cut} for training; both need at "
+                    "least one. Fix: adjust validation_split."
+                )
+            # Keras holds out the LAST examples, before shuffling, weights included.
+            arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+            validation_data = jax.tree.map(lambda a: a[cut:], arrays)
+            x, y, *weights = jax.tree.map(lambda a: a[:cut], arrays)
+            sample_weight = weights[0] if weights else None
+        # In-memory arrays that fit on the devices are placed there once; each step gathers
+        # its rows on the devices (`data`), from the same index batches as the host path.
+        data = self._resident(x, y, sample_weight, epochs=epochs - initial_epoch)
+        train = self._dataset(
+            np.arange(len(jax.tree.leaves(x)[0])) if data is not None else x,
+            None if data is not None else y,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            sample_weight=None if data is not None else sample_weight,
+        )
+        # Keras: without steps_per_epoch, an epoch is one pass; for a source of unknown length
+        # that is "until it runs out".
+        steps: int | None = steps_per_epoch if steps_per_epoch is not None else source_length(train)
+        # Keras' order: History (and the progress bar) after the user's callbacks, so they see
+        # the keys those add to the epoch logs (e.g. LearningRateScheduler's learning_rate).
+        callback_list = CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose
+        )
+        history = callback_list.history
+        assert history is not None
+        global_batch = batch_size or 32
+        callback_list.set_trainer(
+            self, {"epochs": epochs, "steps": steps, "batch_size": global_batch, "verbose": verbose}
+        )
+        self.stop_training = False
+        self._start = None
+        self._interrupted = True
+        per_step = callback_list.overrides("on_train_batch_begin") or callback_list.overrides(
+            "on_train_batch_end"
+        )
+        callback_list.on_train_begin({})
+        logs: dict[str, float] = {}
+        first_epoch, first_step = self._start or (initial_epoch, 0)
+        if self._start is None:
+            self._train_totals = self._zeros()
+        self.model.train()
+        for epoch in range(first_epoch, epochs):
+            self._epoch = epoch
+            if epoch != first_epoch or first_step == 0:
+                self._train_totals = self._zeros()
+                self._reset_metrics()
+            callback_list.on_epoch_begin(epoch, {})
+            batches = train.epoch_iterator(
+                epoch + 1, skip=first_step if epoch == first_epoch else 0
+            )
+            step = first_step if epoch == first_epoch else 0
+            while steps is None or step < steps:
+                # Keras' steps_per_execution: K steps in one program; the batch hooks see the
+                # first step of each execution begin and the last one end.
+                size = self.steps_per_execution
+                with jax.profiler.TraceAnnotation(_profile.INPUT):  # the host waits for data
+                    chunk = [
+                        _batch_args(b)
+                        for b in itertools.islice(
+                            batches, size if steps is None else min(size, steps - step)
+                        )
+                    ]
+                if not chunk:
+                    break
+                if per_step:
+                    callback_list.on_train_batch_begin(step, logs={})
+                if epoch == first_epoch and step == first_step:
+                    first = chunk[0] if data is None else self._rows(data, chunk[0][0])
+                    self._check_first_batch(first, y)
+                self._train_on(chunk, data)
+                step += len(chunk)
+                if per_step:
+                    callback_list.on_train_batch_end(
+                        step - 1, logs=_Logs(lambda: self._read(self._train_totals))
+                    )
+                if self.stop_training:
+                    break
+            if steps is not None and step < steps and not self.stop_training:
+                logger.warning(
+                    "The training data ran out after %d of %d steps in epoch %d. Fix: lower "
+                    "steps_per_epoch, or leave it unset to run one pass over the data.",
+                    step,
+                    steps,
+                    epoch + 1,
+                )
+            logs = self._read(self._train_totals)
+            if validation_data is not None:
+                dataset = self._eval_dataset(validation_data, batch_size)
+                logs.update(self._run_eval(dataset, callback_list, prefix="val_"))
+                self.model.train()
+            callback_list.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        self._interrupted = False
+        callback_list.on_train_end(logs)  # Keras: the last epoch's logs
+        return history
+
+    def _resident(
+        self, x: Any, y: Any, sample_weight: Any, *, epochs: int
+    ) -> tuple[Any, ...] | None:
+        """With `steps_per_execution` > 1, the training arrays placed on every device, or None
+        to read batches from the host. From the host: one step per execution (measured: as
+        fast as from the devices), `epochs` ≤ the replica count (placing N copies up front
+        moves more than N epochs read, and measured slower), a dataset, several processes,
+        or arrays over `mirrored.config.device_data_bytes()`."""
+        if self.steps_per_execution == 1 or jax.process_count() > 1:
+            return None
+        if epochs <= self.strategy.num_replicas_in_sync:
+            return None
+        if not (_is_arrays(x) and _is_arrays(y)):
+            return None
+        arrays: tuple[Any, ...] = (x, y)
+        if sample_weight is not None:
+            arrays = (x, y, _sample_weights(sample_weight, x))
+        arrays = jax.tree.map(_batching.as_host_array, arrays)
+        if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes():
+            return None
+        _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
+        return tuple(jax.device_put(arrays, self.strategy._replicated))
+
+    def _rows(self, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
+        """The distributed batch of `data`'s rows `index` (a distributed index batch)."""
+        rows = np.asarray(self.strategy.gather(index, axis=0))
+        host = jax.tree.map(lambda a: np.asarray(a)[rows], data)
+        return tuple(next(iter(self.strategy.experimental_distribute_dataset([host]))))
+
+    def _train_on(self, chunk: list[tuple[Any, ...]], data: tuple[Any, ...] | None) -> None:
+        """Train on the batches of `chunk`: one `run` per batch, or all in one program;
+        with `data` on the devices, the batches are index batches into it."""
+        state = (self.model, self.optimizer)
+        train_step, additions_step = self._train_step, self._train_additions
+        rows: tuple[Any, ...] = ()
+        if data is not None:
+            train_step, additions_step = _gathering(train_step), _gathering(additions_step)
+            rows = (data,)
+        if self.steps_per_execution == 1:
+            (batch,) = chunk
+            self._train_totals = self.strategy.run(
+                train_step,
+                args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
+            )
+            return
+        additions = self.strategy.run_steps(
+            additions_step,
+            iter(chunk),
+            steps=len(chunk),
+            args=(*state, self._stateful, self.rngs, *rows),
+        )
+        self._train_totals = _plus_steps(self._train_totals, additions)
+
+    def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
+        """Keras' silent traps, on the first batch: logits given to a loss expecting
+        probabilities (a warning) and sparse labels outside the class range (an error)."""
+        if not isinstance(self.loss, _objectives.CROSSENTROPIES):
+            return
+        args = _batch_args(batch)
+        if len(args) < 2:
+            return
+        x, y = args[0], args[1]
+        self.model.eval()  # no dropout draw, no BatchNorm update
+        try:
+            out = self.strategy.run(self._predict_step, args=(self.model, x))
+        finally:
+            self.model.train()
+        if not isinstance(out, jax.Array | PerReplica):
+            return
+        y_pred = self._host_rows(out)
+        labels = all_labels if _is_arrays(all_labels) else y
+        if isinstance(labels, PerReplica):
+            labels = self.strategy.gather(labels, axis=0)
+        if isinstance(labels, np.ndarray | jax.Array):
+            host = jax.tree.map(to_host, labels)
+            _objectives.check_labels(self.loss, host, tuple(np.shape(y_pred)))
+        warning = _objectives.logits_warning(self.loss, y_pred)
+        if warning:
+            logger.warning(warning)

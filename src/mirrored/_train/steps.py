@@ -1,0 +1,160 @@
+"""The Trainer's compiled steps: train (loss, gradients, metrics), evaluate and predict, and the
+running sums their metrics add to."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mirrored._core import context as _context
+from mirrored._core.values import PerReplica
+from mirrored._optim.mixed_precision import LossScaleOptimizer
+from mirrored._strategy.losses import compute_average_loss, weighted_losses
+from mirrored._train import objectives as _objectives
+
+logger = logging.getLogger("mirrored")
+
+
+def _make_steps(
+    loss_fn: Any,
+    metrics: Sequence[_objectives.Metric],
+    weighted_metrics: Sequence[_objectives.Metric] = (),
+    stateful_weighted: Sequence[bool] = (),
+) -> tuple[Callable[..., Any], ...]:
+    """The per-replica train, eval and predict steps. They close over configuration only.
+
+    Metrics that are means over examples are running sums in `totals`; other metrics
+    (`mirrored.metrics.Precision`, `AUC`, your own) come as `stateful`, a tuple of metric
+    modules passed as state, updated with the weights when `stateful_weighted` says so.
+    """
+
+    def update_stateful(stateful: Any, y: Any, y_pred: Any, w: Any) -> None:
+        for metric, weighted in zip(stateful, stateful_weighted, strict=True):
+            metric.update_state(y, y_pred, sample_weight=w if weighted else None)
+
+    def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any, w: Any) -> Any:
+        # Each replica keeps its own running sums (loss, metrics..., weighted metrics...,
+        # count, weight sum), like TensorFlow's SYNC_ON_READ variables: no collective per step;
+        # they are summed when read. As in Keras, the loss is weighted by sample_weight and
+        # divided by the example count; `metrics` ignore the weights and `weighted_metrics`
+        # divide by the weights' sum.
+        ctx = _context.current_replica_context()
+        assert ctx is not None
+        ones = per_example * 0 + 1  # replica-local, like the examples themselves
+        real = ones if ctx.example_mask is None else ones * ctx.example_mask
+        real = real.astype(jnp.float32)
+        weight = real if w is None else weighted_losses(real, w)
+        loss = per_example.astype(jnp.float32)
+        local = [jnp.sum(loss * weight)]
+        local += [jnp.sum(_values(m, y, y_pred) * real) for m in metrics]
+        local += [jnp.sum(_values(m, y, y_pred) * weight) for m in weighted_metrics]
+        return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
+
+    def train_step(
+        model: Any,
+        optimizer: Any,
+        totals: Any,
+        stateful: Any,
+        rngs: Any,
+        x: Any,
+        y: Any,
+        w: Any = None,
+    ) -> Any:
+        # The call-time random stream goes through the gradient as an argument (not a
+        # capture), so the draws it makes inside are written back.
+        def loss_of(model: Any, rngs: Any) -> Any:
+            # Losses in float32 whatever the compute dtype; call-time randomness if given.
+            y_pred = _float32(model(x) if rngs is None else model(x, rngs=rngs))
+            per_example = _objectives.per_example(loss_fn(y, y_pred))
+            return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
+
+        scaled = isinstance(optimizer, LossScaleOptimizer)
+        if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
+
+            def scaled_loss_of(model: Any, rngs: Any) -> Any:
+                loss, aux = loss_of(model, rngs)
+                return optimizer.get_scaled_loss(loss), aux
+
+            (_, (y_pred, per_example)), grads = nnx.value_and_grad(scaled_loss_of, has_aux=True)(
+                model, rngs
+            )
+            optimizer.apply(model, optimizer.get_unscaled_gradients(grads))
+        else:
+            value_and_grad = nnx.value_and_grad(loss_of, has_aux=True)
+            (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
+            optimizer.update(model, grads)
+        update_stateful(stateful, y, y_pred, w)
+        return accumulate(totals, per_example, y, y_pred, w)
+
+    def eval_step(model: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None) -> Any:
+        y_pred = _float32(model(x))
+        update_stateful(stateful, y, y_pred, w)
+        return accumulate(totals, _objectives.per_example(loss_fn(y, y_pred)), y, y_pred, w)
+
+    def predict_step(model: Any, x: Any) -> Any:
+        return model(x)
+
+    return train_step, eval_step, predict_step
+
+
+def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]:
+    """The training step for `run_steps`: what one step adds to the running sums (they are
+    summed over the K steps on the devices afterwards, `_add_steps`)."""
+
+    def train_additions(model: Any, optimizer: Any, stateful: Any, rngs: Any, *batch: Any) -> Any:
+        zeros = jnp.zeros((width,), jnp.float32)
+        return train_step(model, optimizer, zeros, stateful, rngs, *batch)
+
+    return train_additions
+
+
+def _eval_additions(eval_step: Callable[..., Any], width: int) -> Callable[..., Any]:
+    """The evaluation step for `run_steps`: what one step adds to the running sums."""
+
+    def eval_additions(model: Any, stateful: Any, *batch: Any) -> Any:
+        return eval_step(model, jnp.zeros((width,), jnp.float32), stateful, *batch)
+
+    return eval_additions
+
+
+def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`step(*head, *batch)` as `(*head, data, index)`: the batch is `data`'s rows `index`,
+    gathered on this replica's device (the data is mirrored on every device)."""
+
+    def gathered(*args: Any) -> Any:
+        *head, data, index = args
+        batch = jax.tree.map(lambda a: jnp.take(a, index, axis=0), data)
+        return step(*head, *batch)
+
+    gathered.__name__ = getattr(step, "__name__", "train_step")
+    return gathered
+
+
+def _plus_steps(totals: PerReplica, additions: PerReplica) -> PerReplica:
+    """Per-replica running sums plus what `run_steps`' K steps added to them."""
+    return PerReplica(
+        _add_steps(totals.global_value, additions.global_value),
+        num_replicas=totals.num_replicas,
+        stacked=True,
+    )
+
+
+@jax.jit
+def _add_steps(totals: Any, additions: Any) -> Any:
+    """Running sums (replicas × width) plus K steps' additions (replicas × K × width)."""
+    return totals + jnp.sum(additions, axis=1)
+
+
+def _values(metric: _objectives.Metric, y: Any, y_pred: Any) -> Any:
+    return _objectives.per_example(metric.values(y, y_pred)).astype(jnp.float32)
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
