@@ -69,8 +69,12 @@ def test_axis_none_on_a_padded_batch_refuses_to_count_padding(strategies):
     assert "axis=0" in str(info.value)
     with pytest.raises(ValueError, match="axis=1"):
         strategy.gather(batch, axis=1)
-    full = next(iter(strategy.experimental_distribute_dataset(np.ones((8, 3)), batch_size=4)))
-    np.testing.assert_array_equal(strategy.reduce("SUM", full, axis=None), np.full((2, 3), 2.0))
+    values = np.arange(24.0).reshape(8, 3)
+    full = next(iter(strategy.experimental_distribute_dataset(values, batch_size=4)))
+    # axis=None adds the replicas' rows position by position: rows 0-1 plus rows 2-3.
+    np.testing.assert_array_equal(
+        strategy.reduce("SUM", full, axis=None), values[0:2] + values[2:4]
+    )
 
 
 def test_a_carried_over_output_does_not_lend_its_mask_to_the_next_batch(strategies):

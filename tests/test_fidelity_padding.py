@@ -215,15 +215,25 @@ def test_float16_policy_refuses_an_optimizer_without_loss_scaling(strategies):
 def test_a_small_loss_still_updates_under_float16(strategies):
     strategy = strategies[2]
     x, y = _data(16)
+
+    def tiny(t, p):
+        return 1e-7 * ((t - p) ** 2)[:, 0]
+
+    # A rate that makes the tiny gradients' step visible next to the float32 parameters.
     with strategy.scope():
         model = Regressor()
-        trainer = mirrored.Trainer(
-            model, optax.sgd(1.0), lambda t, p: 1e-7 * ((t - p) ** 2)[:, 0], policy="mixed_float16"
-        )
+        trainer = mirrored.Trainer(model, optax.sgd(1e5), tiny, policy="mixed_float16")
     before = params_of(model)
     trainer.fit(x, y, batch_size=16, verbose=0)
-    changed = [np.max(np.abs(params_of(model)[k] - v)) for k, v in before.items()]
-    assert max(changed) > 0  # float16 gradients of 1e-7 * loss would flush to zero unscaled
+    # The reference update, plain JAX in float32: one SGD step on the batch's mean loss.
+    grads = nnx.grad(lambda model: jnp.mean(tiny(y, model(x))))(Regressor())
+    for name, value in params_of(model).items():
+        grad = dict(nnx.to_flat_state(grads))[tuple(name.split("/"))].get_value()
+        expected = -1e5 * np.asarray(grad)
+        assert np.max(np.abs(expected)) > 0
+        # float16 gradients of 1e-7 * loss flush to zero unscaled; never unscaled, they are
+        # 32768 times too large.
+        np.testing.assert_allclose(value - before[name], expected, rtol=1e-2, err_msg=name)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import assert_bit_identical_on_devices, params_of
+from _helpers import assert_bit_identical_on_devices
 from mirrored._nnx import batch_norm
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flax_mnist_tutorial.py"
@@ -28,6 +28,32 @@ def test_the_tutorial_trains_to_high_test_accuracy(capsys):
     assert all(0 < a <= 1 for a in history["train_accuracy"])
 
 
+def _plain_five_steps(batches):
+    """The reference, without mirrored: the tutorial's step under nnx.jit on each global batch
+    (mean loss, BatchNorm on the batch's statistics, dropout off), metrics in NumPy."""
+    model = tutorial.CNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+    train_model = nnx.view(model, deterministic=True, use_running_average=False)
+
+    @nnx.jit
+    def step(model, optimizer, images, labels):
+        def loss_fn(model):
+            logits = model(images)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return per_example.mean(), (logits, per_example)
+
+        (_, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return aux
+
+    logits, losses = zip(
+        *(step(train_model, optimizer, b["image"], b["label"]) for b in batches), strict=True
+    )
+    labels = np.concatenate([b["label"] for b in batches])
+    accuracy = float(np.mean(np.concatenate(logits).argmax(-1) == labels))
+    return model, {"accuracy": accuracy, "loss": float(np.mean(np.concatenate(losses)))}
+
+
 def _five_steps(strategy, batches):
     with strategy.scope():
         model = tutorial.CNN(rngs=nnx.Rngs(0))
@@ -42,13 +68,20 @@ def _five_steps(strategy, batches):
     return model, {k: float(v) for k, v in metrics.compute().items()}
 
 
-def test_eight_replicas_equal_one_device_over_five_tutorial_steps_metrics_included():
+def _state(model, kind):
+    flat = nnx.to_flat_state(nnx.state(model, kind))
+    return {"/".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
+
+
+def test_eight_replicas_equal_plain_nnx_over_five_tutorial_steps_statistics_and_metrics_included():
     train, _ = tutorial.load_dataset()
     batches = tutorial.batches(train, 32, steps=5)
+    theirs, their_metrics = _plain_five_steps(batches)
     ours, our_metrics = _five_steps(mirrored.MirroredStrategy(jax.devices()), batches)
-    theirs, their_metrics = _five_steps(mirrored.OneDeviceStrategy(jax.devices()[0]), batches)
-    a, b = params_of(ours), params_of(theirs)
-    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5
+    for kind in (nnx.Param, nnx.BatchStat):  # BatchNorm's moving mean and variance too
+        a, b = _state(ours, kind), _state(theirs, kind)
+        assert set(a) == set(b) and a, kind
+        assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-5, kind
     for name in ("accuracy", "loss"):
         assert our_metrics[name] == pytest.approx(their_metrics[name], abs=1e-5)
     assert_bit_identical_on_devices(ours)

@@ -142,11 +142,18 @@ def test_shuffle_is_seeded_and_differs_per_epoch(strategy):
 
 
 def test_iterables_and_dicts_of_batches(strategy):
-    batches = [{"x": np.ones((16, 3)), "y": np.zeros(16)} for _ in range(3)]
+    x, y = np.arange(144).reshape(48, 3), np.arange(48)
+    batches = [{"x": x[i : i + 16], "y": y[i : i + 16]} for i in range(0, 48, 16)]
     out = list(strategy.experimental_distribute_dataset(batches))
     assert len(out) == 3 and set(out[0]) == {"x", "y"}
     assert out[0]["x"].shape == (2, 3)
-    assert len(list(strategy.experimental_distribute_dataset(b for b in batches))) == 3
+    for got, batch in zip(out, batches, strict=True):
+        for key in ("x", "y"):
+            np.testing.assert_array_equal(real_rows(strategy, got[key]), batch[key])
+    generated = list(strategy.experimental_distribute_dataset(b for b in batches))
+    assert [real_rows(strategy, b["y"]).tolist() for b in generated] == [
+        b["y"].tolist() for b in batches
+    ]
 
 
 def test_grain_datasets(strategy):
@@ -183,9 +190,11 @@ def test_torch_dataloader_when_installed(strategy):
 
 def test_drop_remainder(strategy):
     dist = strategy.experimental_distribute_dataset(
-        (np.zeros((100, 1)),), batch_size=32, drop_remainder=True
+        (np.arange(100).reshape(100, 1),), batch_size=32, drop_remainder=True
     )
-    assert len(dist) == 3 and len(list(dist)) == 3
+    assert len(dist) == 3
+    rows = [real_rows(strategy, b) for (b,) in dist]
+    assert np.concatenate(rows).ravel().tolist() == list(range(96))  # the last 4 dropped
 
 
 def test_without_prefetch(strategy):

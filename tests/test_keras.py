@@ -1,9 +1,13 @@
 """Keras 3 models under mirrored (issue 20): `model.fit` and TensorFlow's custom loop, with
-`tf.keras` → `keras`, equal to plain Keras on one device; ragged last batches exact."""
+`tf.keras` → `keras`, equal to plain Keras on one device; ragged last batches exact.
 
-import contextlib
+The plain Keras references are computed in a subprocess that never imports mirrored
+(_keras_reference.py): mirrored.keras patches Keras process-wide, so a reference computed here
+would share any bug of the patches."""
+
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import re
@@ -18,56 +22,56 @@ import pytest
 import mirrored
 import mirrored.keras
 from _helpers import subprocess_env
+from _keras_models import (
+    BATCHES,
+    SAMPLE_WEIGHTS,
+    TOKENS,
+    TWO_OUTPUT_LABELS,
+    HalveAtBatch3,
+    X,
+    Y,
+    adam_model,
+    compile_loss_only,
+    compile_sgd,
+    compiled,
+    penalized,
+    recurrent,
+    sequential,
+    two_outputs,
+)
 from mirrored.keras import _fit
 
 assert keras.backend.backend() == "jax"
 
-RNG = np.random.default_rng(0)
-X = RNG.normal(size=(525, 20)).astype("float32")  # 525 at batch 64: the last batch has 13
-Y = RNG.integers(0, 10, 525).astype("int32")
-BATCHES = [(X[i : i + 64], Y[i : i + 64]) for i in range(0, 525, 64)]
+HERE = Path(__file__).resolve().parent
 
 
-def _sequential(*, dropout=0.0, norm=None, input_shape=True):
-    keras.utils.set_random_seed(1)
-    layers = [keras.Input((20,))] if input_shape else []
-    layers.append(keras.layers.Dense(32, activation="relu"))
-    if norm is not None:
-        layers.append(keras.layers.BatchNormalization(momentum=0.8, synchronized=norm == "sync"))
-    if dropout:
-        layers.append(keras.layers.Dropout(dropout))
-    layers.append(keras.layers.Dense(10))
-    return keras.Sequential(layers)
-
-
-def _compile(model, **options):
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        **options,
+def _keras_reference(out, *options):
+    """Run _keras_reference.py (plain Keras, with mirrored only if asked); its JSON results."""
+    env = {**subprocess_env(), "KERAS_BACKEND": "jax"}
+    # With mirrored: the one this process tests, wherever the subprocess starts.
+    tested = str(Path(mirrored.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([tested, *filter(None, [env.get("PYTHONPATH")])])
+    command = ["timeout", "-k", "10", "300", sys.executable, str(HERE / "_keras_reference.py")]
+    result = subprocess.run(
+        [*command, str(out), *options], capture_output=True, text=True, cwd=HERE, env=env
     )
-    return model
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(Path(out).read_text())
 
 
-def _compiled(**kwargs):
-    return _compile(_sequential(**kwargs))
-
-
-def _fit_plain_and_mirrored(build, devices, y=Y):
-    """`build()`'s model fit for 2 epochs as plain Keras on one device, and in the scope of a
-    strategy over `devices`: (plain model, its history, mirrored model, its history)."""
-    reference = build()
-    expected = reference.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    strategy = mirrored.MirroredStrategy(devices)
-    with strategy.scope():
-        model = build()
-    history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    return reference, expected, model, history
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Every plain Keras reference of this module, from one process that never imported mirrored."""
+    results = _keras_reference(tmp_path_factory.mktemp("keras") / "plain.json")
+    assert not results["mirrored_imported"] and not results["patched"]
+    return results
 
 
 def _max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
+    )
 
 
 def _spans_all_devices(model, devices):
@@ -77,77 +81,66 @@ def _spans_all_devices(model, devices):
     )
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """Plain Keras on one device: 2 epochs of fit, then evaluate and predict."""
-    model = _compiled()
-    history = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
-    prediction = model.predict(X, batch_size=64, verbose=0)
-    return model.get_weights(), history, evaluation, prediction
+def _fit_mirrored(build, devices, y=Y):
+    """`build()`'s model, created in the scope of a strategy over `devices`, fit for 2 epochs
+    as the references are: (model, its history)."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = build()
+    history = model.fit(X, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    return model, history.history
+
+
+def _assert_history(ours, expected, names=None):
+    for name in names or expected:
+        assert ours[name] == pytest.approx(expected[name], abs=1e-5), name
 
 
 @pytest.mark.parametrize("replicas", [8, 1])
 def test_fit_evaluate_predict_on_n_replicas_equal_plain_keras_ragged_batch_included(
-    reference, replicas, devices
+    plain, replicas, devices
 ):
-    weights, history, evaluation, prediction = reference
+    expected = plain["fit"]
     strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
     assert _spans_all_devices(model, devices[:replicas])
     ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    assert _max_diff(model.get_weights(), weights) <= 1e-5
-    for name in ("loss", "accuracy"):
-        assert ours[name] == pytest.approx(history[name], abs=1e-5)
-    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(ours, expected["history"], ("loss", "accuracy"))
+    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
     predicted = model.predict(X, batch_size=64, verbose=0)
     assert predicted.shape == (525, 10)
-    np.testing.assert_allclose(predicted, prediction, atol=1e-5)
+    np.testing.assert_allclose(predicted, expected["predict"], atol=1e-5)
     assert _spans_all_devices(model, devices[:replicas])  # the optimizer's too, after fit
     assert all(
         v.value.sharding.device_set == set(devices[:replicas]) for v in model.optimizer.variables
     )
 
 
-def test_steps_per_execution_trains_and_evaluates_as_one_device(reference, devices):
+def test_steps_per_execution_trains_and_evaluates_as_one_device(plain, devices):
     """Keras' JAX loop calls the step K times per execution; the ragged batch ends a group."""
-    weights, history, evaluation, _ = reference
+    expected = plain["fit"]
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():  # 9 batches an epoch: groups of 4, 4 and 1
-        model = _compile(_sequential(), steps_per_execution=4)
+        model = compile_sgd(sequential(), steps_per_execution=4)
     ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    assert _max_diff(model.get_weights(), weights) <= 1e-5
-    for name in ("loss", "accuracy"):
-        assert ours[name] == pytest.approx(history[name], abs=1e-5)
-    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(ours, expected["history"], ("loss", "accuracy"))
+    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
 
 
-class _PenalizedLoss(keras.Model):
-    """Keras' guide pattern: `compute_loss` overridden to scale the loss and add a penalty."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        base = super().compute_loss(x, y, y_pred, sample_weight, training)
-        kernel = self.layers[-1].kernel
-        return 3.0 * base + 0.01 * keras.ops.sum(keras.ops.square(kernel)) + 0.5
-
-
-def _penalized():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((20,))
-    hidden = keras.layers.Dense(32, activation="relu", kernel_regularizer="l2")(inputs)
-    return _compile(_PenalizedLoss(inputs, keras.layers.Dense(10)(hidden)))
-
-
-def test_a_compute_loss_override_counts_what_it_adds_once_as_on_one_device(devices, caplog):
+def test_a_compute_loss_override_counts_what_it_adds_once_as_on_one_device(plain, devices, caplog):
     """What the override adds by hand (the penalty, the constant) is the same on every
     replica: counted N times it would train with 8x its gradient, with no error."""
-    ref, expected, model, history = _fit_plain_and_mirrored(_penalized, devices)
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
-    for name in ("loss", "accuracy"):
-        assert history[name] == pytest.approx(expected[name], abs=1e-5)
-    evaluation = ref.evaluate(X, Y, batch_size=64, verbose=0)
-    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    expected = plain["penalized"]
+    model, history = _fit_mirrored(penalized, devices)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(history, expected["history"], ("loss", "accuracy"))
+    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
     assert "did not scale" not in caplog.text  # the N× warning: the whole loss was scaled
 
 
@@ -168,106 +161,57 @@ def test_an_overridden_train_step_is_refused_not_silently_skipped(devices):
     assert _max_diff(model.get_weights(), before) == 0
 
 
-TOKENS = RNG.integers(1, 50, size=(525, 7)).astype("int32")
-TOKENS[::3, 4:] = 0  # padding tokens: masked by Embedding(mask_zero=True)
-
-
-def _recurrent(kind):
-    keras.utils.set_random_seed(3)
-    tokens = keras.Input((7,), dtype="int32")
-    embedded = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
-    if kind == "per_token":  # the mask reaches the loss: a mean over the real tokens
-        return keras.Model(tokens, keras.layers.Dense(3)(embedded)), TOKENS % 3
-    sequence = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))(embedded)
-    hidden = keras.layers.GRU(4, go_backwards=True)(sequence)
-    return keras.Model(tokens, keras.layers.Dense(10)(hidden)), Y
-
-
 @pytest.mark.parametrize("kind", ["recurrent", "per_token"])
-def test_recurrent_layers_and_masked_per_token_losses_train_as_one_device(kind, devices):
+def test_recurrent_layers_and_masked_per_token_losses_train_as_one_device(plain, kind, devices):
     """Recurrent layers failed inside fit (a scan carry that starts the same on every replica
     and ends different); a per-token loss with a mask failed to broadcast the row mask."""
-
-    def trained(strategy):
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            model, labels = _recurrent(kind)
-            model.compile(
-                optimizer=keras.optimizers.SGD(0.1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
-        history = model.fit(TOKENS, labels, batch_size=64, epochs=2, shuffle=False, verbose=0)
-        return model, history.history["loss"], model.evaluate(TOKENS, labels, verbose=0)
-
-    ref, ref_loss, ref_eval = trained(None)
-    model, loss, evaluation = trained(mirrored.MirroredStrategy(devices))
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
-    assert loss == pytest.approx(ref_loss, abs=1e-5)
-    assert evaluation == pytest.approx(ref_eval, abs=1e-5)
-
-
-def _two_outputs():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((20,))
-    hidden = keras.layers.Dense(
-        32,
-        activation="relu",
-        kernel_regularizer=keras.regularizers.L2(0.05),
-        activity_regularizer=keras.regularizers.L1(0.01),
-    )(inputs)
-    outputs = {
-        "cls": keras.layers.Dense(10, name="cls")(hidden),
-        "reg": keras.layers.Dense(1, name="reg")(hidden),
-    }
-    model = keras.Model(inputs, outputs)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
-        loss_weights={"cls": 1.0, "reg": 0.5},
-        metrics={"cls": ["accuracy"], "reg": ["mae"]},
-    )
-    return model
+    expected = plain[kind]
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model, labels = recurrent(kind)
+        compile_loss_only(model)
+    history = model.fit(TOKENS, labels, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(history.history, expected["history"], ("loss",))
+    evaluation = model.evaluate(TOKENS, labels, verbose=0)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
 
 
 def test_two_outputs_and_regularizers_log_and_train_as_one_device_ragged_batch_included(
-    devices,
+    plain, devices
 ):
     """Each output's loss in the logs (Keras' per-output trackers), weight and activity
     regularization in the gradients: all as plain Keras on one device."""
-    y = {"cls": Y, "reg": X[:, :1] * 2.0}
-    reference, expected, model, history = _fit_plain_and_mirrored(_two_outputs, devices, y)
+    expected = plain["two_outputs"]
+    model, history = _fit_mirrored(two_outputs, devices, TWO_OUTPUT_LABELS)
     assert set(history) == {"loss", "cls_loss", "reg_loss", "cls_accuracy", "reg_mae"}
-    for name, values in expected.items():
-        assert history[name] == pytest.approx(values, abs=1e-5), name
-    assert _max_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert set(expected["history"]) == set(history)
+    _assert_history(history, expected["history"])
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
     evaluate = {"batch_size": 64, "verbose": 0, "return_dict": True}
-    assert model.evaluate(X, y, **evaluate) == pytest.approx(
-        reference.evaluate(X, y, **evaluate), abs=1e-5
-    )
+    evaluation = model.evaluate(X, TWO_OUTPUT_LABELS, **evaluate)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
     regularizer = model.layers[1].get_config()["activity_regularizer"]
     assert regularizer["class_name"] == "L1"  # saved as the layer's own
 
 
-def test_a_loss_tracker_that_is_not_keras_own_mean_logs_the_same_loss(reference, devices):
+def test_a_loss_tracker_that_is_not_keras_own_mean_logs_the_same_loss(plain, devices):
     class Tracker(keras.metrics.Mean):  # its own update_state: given the global loss
         pass
 
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
         model._loss_tracker = Tracker(name="loss")
     ours = model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0).history
-    assert ours["loss"] == pytest.approx(reference[1]["loss"][:1], abs=1e-5)
+    assert ours["loss"] == pytest.approx(plain["fit"]["history"]["loss"][:1], abs=1e-5)
 
 
-def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
-    weights = np.linspace(0.2, 2.0, 525).astype("float32")
-    ref = _compiled()
-    expected = ref.fit(
-        X, Y, sample_weight=weights, batch_size=64, epochs=2, shuffle=False, verbose=0
-    )
+def test_sample_weights_and_keras_callbacks_in_fit(plain, tmp_path, devices):
+    expected = plain["sample_weights"]
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
     seen = []
     callbacks = [
         keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True),
@@ -277,34 +221,27 @@ def test_sample_weights_and_keras_callbacks_in_fit(tmp_path, devices):
     history = model.fit(
         X,
         Y,
-        sample_weight=weights,
+        sample_weight=SAMPLE_WEIGHTS,
         batch_size=64,
         epochs=2,
         shuffle=False,
         verbose=0,
         callbacks=callbacks,
     )
-    assert history.history["loss"] == pytest.approx(expected.history["loss"], abs=1e-5)
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    _assert_history(history.history, expected["history"], ("loss",))
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
     assert seen == list(range(9)) * 2
-    restored = _sequential()
+    restored = sequential()
     restored.load_weights(str(tmp_path / "m.weights.h5"))
     assert _max_diff(restored.get_weights(), model.get_weights()) == 0
 
 
-def test_weights_set_by_a_callback_mid_epoch_are_the_next_steps_weights(devices, monkeypatch):
+def test_weights_set_by_a_callback_mid_epoch_are_the_next_steps_weights(
+    plain, devices, monkeypatch
+):
     """Steps after the first take the arrays the last step returned straight to the compiled
     program; a callback's `set_weights` hands Keras' loop new arrays, which take the full path."""
-
-    class HalveAtBatch3(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 3:  # `self.model` brings Keras' per-step state back into the variables
-                self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
-
-    ref = _compiled()
-    expected = ref.fit(
-        X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[HalveAtBatch3()]
-    )
+    expected = plain["halve_at_batch_3"]
     full_steps = []
     full = _fit._Step._full
     monkeypatch.setattr(
@@ -312,12 +249,12 @@ def test_weights_set_by_a_callback_mid_epoch_are_the_next_steps_weights(devices,
     )
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
     history = model.fit(
         X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0, callbacks=[HalveAtBatch3()]
     )
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
-    assert history.history["loss"] == pytest.approx(expected.history["loss"], abs=1e-5)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(history.history, expected["history"], ("loss",))
     # The full path: the first step, the step after each set_weights and the second epoch's
     # first (Keras re-reads the variables its callback set); the other 14 of 18 went direct.
     assert full_steps == ["train"] * 4
@@ -326,7 +263,7 @@ def test_weights_set_by_a_callback_mid_epoch_are_the_next_steps_weights(devices,
 def test_keras_per_step_state_dict_skips_the_tracker_and_other_attributes_are_tracked(devices):
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
     model.fit(X[:64], Y[:64], batch_size=64, epochs=1, verbose=0)
     state = {"trainable_variables": [v.value for v in model.trainable_variables]}
     model._jax_state = state  # what Keras' epoch loop assigns after every step
@@ -338,7 +275,7 @@ def test_keras_per_step_state_dict_skips_the_tracker_and_other_attributes_are_tr
 
 
 def test_a_model_built_outside_the_scope_is_refused_not_trained_on_one_device(devices):
-    model = _compiled()  # built and compiled on one device
+    model = compiled()  # built and compiled on one device
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope(), pytest.raises(ValueError, match="was not created in the distribution"):
         model.fit(X, Y, batch_size=64, epochs=1, verbose=0)
@@ -352,13 +289,13 @@ def test_keras_default_from_logits_on_a_logits_model_warns_when_fit_starts(devic
 
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _sequential()  # Dense(10): logits
+        model = sequential()  # Dense(10): logits
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with caplog.at_level(logging.WARNING, logger="mirrored"), strategy.scope():
         model.make_train_function()  # what fit calls first
     assert "from_logits=False (Keras' default)" in caplog.text
     assert re.search(r"last layer 'dense(_\d+)?' has no activation", caplog.text)
-    assert _fit.logits_trap(_compiled()) is None  # from_logits=True
+    assert _fit.logits_trap(compiled()) is None  # from_logits=True
     softmax = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10, activation="softmax")])
     softmax.compile(loss=keras.losses.SparseCategoricalCrossentropy())
     assert _fit.logits_trap(softmax) is None
@@ -372,7 +309,7 @@ def test_keras_default_from_logits_on_a_logits_model_warns_when_fit_starts(devic
 def test_a_model_created_in_the_scope_trains_mirrored_when_compiled_outside_it(devices):
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _sequential(input_shape=False)  # no variables yet
+        model = sequential(input_shape=False)  # no variables yet
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
     model.fit(X[:128], Y[:128], batch_size=64, epochs=1, verbose=0)
     assert _spans_all_devices(model, devices)
@@ -380,7 +317,7 @@ def test_a_model_created_in_the_scope_trains_mirrored_when_compiled_outside_it(d
 
 def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False):
     with strategy.scope():
-        model = _sequential(input_shape=False)
+        model = sequential(input_shape=False)
         optimizer = keras.optimizers.SGD(0.1)
         kwargs = {} if loss_reduction is None else {"reduction": loss_reduction}
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
@@ -406,28 +343,22 @@ def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False):
     return model, losses, kernels
 
 
-def test_the_seeds_custom_loop_equals_train_on_batch_with_the_model_captured(devices):
-    ref = _sequential(input_shape=False)
-    ref.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    expected = [float(ref.train_on_batch(x, y)) for x, y in BATCHES[-5:]]  # ends ragged (13)
+def test_the_seeds_custom_loop_equals_train_on_batch_with_the_model_captured(plain, devices):
+    expected = plain["train_on_batch"]  # plain Keras' train_on_batch, the last batch ragged (13)
     model, losses, kernels = _custom_loop(mirrored.MirroredStrategy(devices))
-    assert losses == pytest.approx(expected, abs=1e-5)  # reduce("SUM") = the batch's loss
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5
+    assert losses == pytest.approx(expected["losses"], abs=1e-5)  # reduce("SUM"): the loss
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
     # Read fresh every step, never a constant: the weights move at every step.
     assert all(np.max(np.abs(a - b)) > 1e-4 for a, b in itertools.pairwise(kernels))
     assert _spans_all_devices(model, devices)
 
 
-def test_an_explicit_sum_reduction_is_left_as_written_with_padding_masked(devices):
-    ref = _sequential(input_shape=False)
+def test_an_explicit_sum_reduction_is_left_as_written_with_padding_masked(plain, devices):
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    expected = float(loss_fn(BATCHES[-1][1], ref(BATCHES[-1][0])))
+    expected = plain["sum_reduction"]
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _sequential(input_shape=False)
+        model = sequential(input_shape=False)
     (batch,) = strategy.experimental_distribute_dataset([BATCHES[-1]])  # 13 rows on 8 replicas
     per_replica = strategy.run(lambda x, y: loss_fn(y, model(x)), args=batch)
     assert float(strategy.reduce("SUM", per_replica, axis=None)) == pytest.approx(expected, 1e-5)
@@ -468,18 +399,19 @@ def test_dropout_draws_other_masks_on_each_replica_and_each_step(devices):
     assert set(np.unique(first)) <= {0.0, 2.0}
 
 
-def test_synchronized_batch_norm_on_8_replicas_equals_one_device_with_moving_statistics(devices):
-    ref = _compiled(norm="plain")
-    ref.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+def test_synchronized_batch_norm_on_8_replicas_equals_one_device_with_moving_statistics(
+    plain, devices
+):
+    expected = plain["batch_norm"]["weights"]  # BatchNormalization(momentum=0.8), one epoch
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled(norm="sync")
+        model = compiled(norm="sync")
     model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    assert _max_diff(model.get_weights(), ref.get_weights()) <= 1e-5  # moving stats included
+    assert _max_diff(model.get_weights(), expected) <= 1e-5  # moving statistics included
     with strategy.scope():
-        local = _compiled(norm="plain")  # TensorFlow's default: per-replica statistics
+        local = compiled(norm="plain")  # TensorFlow's default: per-replica statistics
     local.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    assert _max_diff(local.get_weights(), ref.get_weights()) > 1e-4
+    assert _max_diff(local.get_weights(), expected) > 1e-4
     assert _spans_all_devices(local, devices)
 
 
@@ -492,6 +424,20 @@ def test_import_mirrored_does_not_import_keras_and_another_backend_is_a_clear_er
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "KERAS_BACKEND=jax" in out.stderr and "'numpy' backend" in out.stderr
+
+
+def test_mirrored_keras_patches_change_nothing_outside_a_strategy(plain, tmp_path):
+    """A Keras model used outside every strategy (regularizers, BatchNormalization, seeded
+    Dropout, Adam and SGD, a masked GRU; fit, evaluate, predict, the *_on_batch calls, a loss
+    called by hand, apply_gradients) gives bit for bit the same weights and logs in a process
+    that imported mirrored and mirrored.keras as in one that never imported mirrored."""
+    patched = _keras_reference(tmp_path / "patched.json", "--with-mirrored")
+    assert patched["mirrored_imported"] and patched["patched"]
+    assert patched["mirrored_file"] == mirrored.__file__
+    expected = plain["outside"]
+    assert set(patched["outside"]) == set(expected)
+    for name, value in expected.items():
+        assert patched["outside"][name] == value, name  # floats from float32: exact equality
 
 
 def _example(name):
@@ -520,38 +466,26 @@ def test_the_keras_fit_example_trains_saves_and_restores_outside_the_strategy(tm
     assert (tmp_path / "ckpt.weights.h5").exists() and (tmp_path / "model.keras").exists()
 
 
-def _adam_model():
-    model = _sequential()
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
-
-
 def test_save_checkpoint_of_a_keras_model_resumes_step_exactly_on_another_replica_count(
-    tmp_path, devices
+    plain, tmp_path, devices
 ):
     eight = mirrored.MirroredStrategy(devices)
     with eight.scope():
-        straight = _adam_model()
-    straight.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-    with eight.scope():
-        first = _adam_model()
+        first = adam_model()
     first.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     mirrored.save_checkpoint(tmp_path / "ckpt", first, first.optimizer, step=1)
     two = mirrored.MirroredStrategy(devices[:2])
     with two.scope():
-        resumed = _adam_model()
+        resumed = adam_model()
     assert mirrored.restore_checkpoint(tmp_path / "ckpt", resumed, resumed.optimizer) == 1
     assert int(resumed.optimizer.iterations.value) == 9
     assert _spans_all_devices(resumed, devices[:2])
     resumed.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    assert _max_diff(resumed.get_weights(), straight.get_weights()) <= 1e-5
+    assert _max_diff(resumed.get_weights(), plain["adam"]["weights_after_2"]) <= 1e-5
     # Keras' own weights file restores onto another replica count as well.
     first.save_weights(tmp_path / "m.weights.h5")
     with two.scope():
-        loaded = _adam_model()
+        loaded = adam_model()
         loaded.optimizer.build(loaded.trainable_variables)  # Keras loads into built slots only
     loaded.load_weights(tmp_path / "m.weights.h5")
     assert _max_diff(loaded.get_weights(), first.get_weights()) == 0
@@ -642,11 +576,13 @@ def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, err_msg=name)
 
 
-def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path, devices):
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(plain, tmp_path, devices):
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        straight = _adam_model()
+        straight = adam_model()
     expected = straight.fit(X, Y, batch_size=64, epochs=3, shuffle=False, verbose=0).history
+    _assert_history(expected, plain["adam"]["history"])  # uninterrupted: as plain Keras
+    assert _max_diff(straight.get_weights(), plain["adam"]["weights"]) <= 1e-5
 
     class Crash(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
@@ -655,13 +591,13 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path, devices
 
     backup = keras.callbacks.BackupAndRestore(str(tmp_path))
     with strategy.scope():
-        crashed = _adam_model()
+        crashed = adam_model()
     with pytest.raises(RuntimeError, match="preempted"):
         crashed.fit(
             X, Y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[backup, Crash()]
         )
     with strategy.scope():
-        resumed = _adam_model()
+        resumed = adam_model()
     history = resumed.fit(
         X,
         Y,
@@ -677,19 +613,18 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path, devices
 
 
 def test_fit_with_batches_placed_ahead_as_on_accelerators_gives_the_same_numbers(
-    reference, devices, monkeypatch
+    plain, devices, monkeypatch
 ):
-    from mirrored.keras import _fit
-
     monkeypatch.setattr(_fit.jax, "default_backend", lambda: "gpu")  # the look-ahead path
-    weights, history, evaluation, _ = reference
+    expected = plain["fit"]
     strategy = mirrored.MirroredStrategy(devices)
     with strategy.scope():
-        model = _compiled()
+        model = compiled()
     ours = model.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
-    assert _max_diff(model.get_weights(), weights) <= 1e-5
-    assert ours["loss"] == pytest.approx(history["loss"], abs=1e-5)
-    assert model.evaluate(X, Y, batch_size=64, verbose=0) == pytest.approx(evaluation, abs=1e-5)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    _assert_history(ours, expected["history"], ("loss",))
+    evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+    assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
 
 
 def test_compile_run_eagerly_runs_the_step_op_by_op_with_the_same_numbers(devices, capsys):

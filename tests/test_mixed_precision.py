@@ -99,6 +99,59 @@ def test_scaled_training_equals_unscaled_training(devices):
         assert max_relative_difference(got[name], value) <= 1e-5, name
 
 
+def _float16_reference(batches, learning_rate):
+    """Plain NNX and Optax on one device, no mirrored: float32 master weights, float16 compute,
+    the mean float32 loss of each global batch, SGD on the float32 gradients (no loss scaling:
+    scaling by a power of two and back is exact, so a scaled run must land here too)."""
+    model = SmallMLP(rngs=nnx.Rngs(0))
+    model.hidden.dtype = model.out.dtype = jnp.float16
+    optimizer = nnx.Optimizer(model, optax.sgd(learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            logits = model(x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    for x, y in batches:
+        step(model, optimizer, x, y)
+    return params_of(model)
+
+
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_trainer_float16_with_loss_scaling_equals_plain_float16_sgd(devices, replicas):
+    """mixed_float16 in the Trainer: the loss is scaled by 2**15 and the gradients must be
+    unscaled before SGD applies them (Adam would hide a missing unscale: it is scale-free)."""
+    batches = global_batches(4, 64, seed=5)
+    start = params_of(SmallMLP(rngs=nnx.Rngs(0)))
+    expected = _float16_reference(batches, 0.5)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        trainer = mirrored.Trainer(
+            model,
+            optax.sgd(0.5),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            policy="mixed_float16",
+        )
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    trainer.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    assert isinstance(trainer.optimizer, LossScaleOptimizer)
+    assert int(trainer.optimizer.step[...]) == 4  # no step skipped
+    assert float(trainer.optimizer.scale[...]) == 2.0**15
+    got = params_of(model)
+    for name, value in expected.items():
+        # float16 rounds the per-replica gradients before they are summed: compare the updates
+        # (a missing unscale makes them 32768 times larger).
+        moved = value - start[name]
+        assert np.max(np.abs(moved)) > 1e-3, name
+        assert max_relative_difference(got[name] - start[name], moved) <= 5e-3, name
+
+
 def test_loss_scale_state_is_checkpointed(devices, tmp_path):
     _, model, optimizer = scaled_setup(devices, initial_scale=64.0)
     mirrored.save_checkpoint(tmp_path, model, optimizer)

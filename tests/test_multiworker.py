@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -126,9 +125,7 @@ def launch(out, n, k, *extra, timeout=240):
         str(out),
         *extra,
     ]
-    start = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=env, check=False)
-    return result, time.monotonic() - start
+    return subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=env, check=False)
 
 
 def results(path):
@@ -139,7 +136,7 @@ def results(path):
 def two_processes(tmp_path_factory):
     """One clean 2-process job (2 devices each, with a backup), shared by the tests below."""
     out = tmp_path_factory.mktemp("two")
-    two, _ = launch(out, 2, 2, "--backup", str(out / "backup"))
+    two = launch(out, 2, 2, "--backup", str(out / "backup"))
     assert two.returncode == 0, two.stdout[-3000:]
     return out, two.stdout
 
@@ -148,7 +145,7 @@ def two_processes(tmp_path_factory):
 def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices, two_processes):
     two_dir, stdout = two_processes
     assert "[rank 1] replicas 4 processes 2 chief False" in stdout
-    one, _ = launch(tmp_path / "one", 1, 4)
+    one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, one.stdout[-3000:]
     a, b = results(two_dir), results(tmp_path / "one")
     assert set(a) == set(b)
@@ -178,7 +175,7 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
 @pytest.mark.slow
 def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path, two_processes):
     clean_dir, _ = two_processes  # the same job, never interrupted
-    killed, seconds = launch(
+    killed = launch(
         tmp_path / "run",
         2,
         2,
@@ -189,14 +186,16 @@ def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path, two_proce
         "--kill-at",
         "9",
     )
-    assert killed.returncode != 0 and seconds < 30 + 10, (killed.returncode, seconds)
+    # The launcher stopped the job itself: `timeout` (124) would mean it waited on the
+    # survivor until the limit.
+    assert killed.returncode not in (0, 124), killed.stdout[-3000:]
     for pid_file in (tmp_path / "run").glob("pid.*"):
         pid = int(pid_file.read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # nothing of the job is left running
     assert any((tmp_path / "backup").iterdir())
 
-    resumed, _ = launch(tmp_path / "run", 2, 2, "--backup", str(tmp_path / "backup"))
+    resumed = launch(tmp_path / "run", 2, 2, "--backup", str(tmp_path / "backup"))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     a, b = results(tmp_path / "run"), results(clean_dir)
     for name in a:
@@ -228,7 +227,6 @@ def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
         "--die-rank",
         "1",
     ]
-    start = time.monotonic()
     workers = [
         subprocess.Popen(
             command,
@@ -243,8 +241,8 @@ def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
     survivor, _ = (w.communicate(timeout=120)[0] for w in workers)
     assert workers[1].returncode == 3
     assert workers[0].returncode == 4, survivor[-2000:]
+    # Exit code 4: the survivor's own handler of PeerFailureError (124: `timeout`, a hang).
     assert "PeerFailureError" in survivor and "peer process most likely died" in survivor
-    assert time.monotonic() - start < 60
 
 
 @pytest.mark.slow

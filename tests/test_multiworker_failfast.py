@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -67,30 +66,25 @@ def output(process):
 def test_a_worker_that_never_starts_is_a_python_error_in_the_chief():
     port = free_port()
     ports = [port, port + 1]  # nothing ever listens on the second: worker 1 never starts
-    began = time.monotonic()
     chief = start(
         STRATEGY.format(""), worker_env(TF_CONFIG=tf_config(ports, 0), MIRRORED_INIT_TIMEOUT="5")
     )
     text = output(chief)
-    seconds = time.monotonic() - began
-    assert chief.returncode == 1, text[-3000:]  # a Python exception; a C++ abort is 134
+    assert chief.returncode == 1, text[-3000:]  # a Python exception; abort 134, `timeout` 124
     assert "TimeoutError: MultiWorkerMirroredStrategy expected all 2 workers" in text, text
     assert f"found 1 of 2 missing: worker 1 at 127.0.0.1:{port + 1}" in text
     assert f"coordinator at 127.0.0.1:{port} within 5 s" in text
     assert "same cluster spec" in text and "MIRRORED_INIT_TIMEOUT=120" in text
     assert "Terminating process" not in text and "another task died" not in text
-    assert 5 <= seconds < 30, seconds
 
 
 @pytest.mark.slow
 def test_a_chief_that_never_starts_is_a_python_error_in_the_worker():
     port = free_port()  # nothing listens on it: the chief never starts
-    began = time.monotonic()
     code = STRATEGY.format("initialization_timeout=3")
     worker = start(code, worker_env(TF_CONFIG=tf_config([port, port + 1], 1)))
     text = output(worker)
-    seconds = time.monotonic() - began
-    assert worker.returncode == 1, text[-3000:]
+    assert worker.returncode == 1, text[-3000:]  # a Python exception, not `timeout`'s 124
     chief = f"127.0.0.1:{port}"
     assert (
         f"TimeoutError: MultiWorkerMirroredStrategy expected the chief (worker 0 at {chief})"
@@ -98,7 +92,6 @@ def test_a_chief_that_never_starts_is_a_python_error_in_the_worker():
     )
     assert f"to accept worker 1 at 127.0.0.1:{port + 1} within 3 s" in text
     assert "Connection refused" in text and "initialization_timeout=120" in text
-    assert 3 <= seconds < 30, seconds
 
 
 @pytest.mark.slow
@@ -108,15 +101,14 @@ def test_workers_that_disagree_on_the_cluster_both_fail_at_once():
     chief = start(STRATEGY.format(""), {**env, "TF_CONFIG": tf_config([port, port + 1], 0)})
     three = tf_config([port, port + 1, port + 2], 1)
     worker = start(STRATEGY.format(""), {**env, "TF_CONFIG": three})
-    began = time.monotonic()
     texts = [output(chief), output(worker)]
-    assert time.monotonic() - began < 20  # at once, not at the timeout
     for process, text in zip((chief, worker), texts, strict=True):
         assert process.returncode == 1, text[-3000:]
         assert (
             "ValueError: Expected every worker to see a cluster of 2 processes, as the chief "
             "does; found process 1 seeing 3." in text
         )
+        assert "TimeoutError" not in text  # at once, not after the 20 s initialization timeout
 
 
 @pytest.mark.slow

@@ -603,18 +603,40 @@ def _diff_rank(ctx):
     return np.ones(tuple(range(1, ctx.replica_id_in_sync_group + 2)), np.float32)
 
 
+def _assert_refused_where_built(strategy, value_fn, shapes):
+    """Deliberate difference: TF builds per-replica values of different shapes and its gather
+    or all_gather fails on them; mirrored's replicas hold one shape (one SPMD program), so
+    such a value is refused where it is built and no gather ever sees one."""
+    with pytest.raises(ValueError, match="one shape on every replica") as info:
+        strategy.experimental_distribute_values_from_function(value_fn)
+    assert f"found shapes {shapes}" in str(info.value)
+    assert "Fix: pad the values to a common shape" in str(info.value)
+
+
 # TF: tensorflow/python/distribute/strategy_gather_test.py::GatherTest.testGatherRaiseDiffShapeAtNonAxis
 def test_gather_raise_diff_shape_at_non_axis(multi):
-    with pytest.raises(ValueError):
-        values = multi.experimental_distribute_values_from_function(_diff_shape_at_non_axis)
-        multi.gather(values, axis=0)
+    n = multi.num_replicas_in_sync
+    _assert_refused_where_built(multi, _diff_shape_at_non_axis, [(1, i + 1) for i in range(n)])
+    # What mirrored can hold: n + 1 rows split over n replicas, 2 rows on replica 0 and 1 on
+    # the others (TF: shapes (2, 2) and (1, 2)), padded here to 2 rows each. Along axis 1 the
+    # replicas' shapes differ at axis 0 (TF: "Dimension 0 in both shapes must be equal"):
+    # gather must refuse, not return the padding.
+    rows = np.arange(2 * (n + 1), dtype=np.int32).reshape(n + 1, 2)
+    (batch,) = multi.experimental_distribute_dataset([rows])
+    with pytest.raises(
+        ValueError, match=r"strategy\.gather\(\.\.\., axis=1\) expected a value"
+    ) as info:
+        multi.gather(batch, axis=1)
+    message = str(info.value)
+    assert f"found a padded batch ({n + 1} real examples in {2 * n} rows" in message
+    assert "Fix: gather along the batch axis, axis=0" in message
+    np.testing.assert_array_equal(multi.gather(batch, axis=0), rows)  # TF's DiffShapeAtAxis0
 
 
 # TF: tensorflow/python/distribute/strategy_gather_test.py::GatherTest.testGatherRaiseDifferentRank
 def test_gather_raise_different_rank(multi):
-    with pytest.raises(ValueError):
-        values = multi.experimental_distribute_values_from_function(_diff_rank)
-        multi.gather(values, axis=0)
+    n = multi.num_replicas_in_sync
+    _assert_refused_where_built(multi, _diff_rank, [tuple(range(1, i + 2)) for i in range(n)])
 
 
 # -- GatherTest: all_gather ---------------------------------------------------------------------
@@ -675,24 +697,14 @@ def test_all_gather_diff_value(strategy):
 
 # TF: tensorflow/python/distribute/strategy_gather_test.py::GatherTest.testAllGatherRaiseDiffShapeAtNonAxis
 def test_all_gather_raise_diff_shape_at_non_axis(multi):
-    def run(value):
-        ctx = mirrored.get_replica_context()
-        return ctx.all_gather(value, axis=0)
-
-    with pytest.raises(ValueError):
-        values = multi.experimental_distribute_values_from_function(_diff_shape_at_non_axis)
-        multi.run(run, args=(values,))
+    n = multi.num_replicas_in_sync
+    _assert_refused_where_built(multi, _diff_shape_at_non_axis, [(1, i + 1) for i in range(n)])
 
 
 # TF: tensorflow/python/distribute/strategy_gather_test.py::GatherTest.testAllGatherRaiseDifferentRank
 def test_all_gather_raise_different_rank(multi):
-    def run(value):
-        ctx = mirrored.get_replica_context()
-        return ctx.all_gather(value, axis=0)
-
-    with pytest.raises(ValueError):
-        values = multi.experimental_distribute_values_from_function(_diff_rank)
-        multi.run(run, args=(values,))
+    n = multi.num_replicas_in_sync
+    _assert_refused_where_built(multi, _diff_rank, [tuple(range(1, i + 2)) for i in range(n)])
 
 
 def _replica_c(strategy):

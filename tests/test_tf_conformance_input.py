@@ -13,6 +13,7 @@ where TF's test does not depend on the replica count.
 """
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -168,12 +169,24 @@ def test_replicate_dataset_input_context():
             next(iterator)
 
 
+class _PulledOn:
+    """Batches of `batches(np.arange(100), 2)`, recording on which thread each one is pulled."""
+
+    def __init__(self):
+        self.threads = []
+
+    def __iter__(self):
+        for batch in batches(np.arange(100), 2):
+            self.threads.append(threading.current_thread())
+            yield batch
+
+
 # TF: tensorflow/python/distribute/mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest.test_prefetch_to_device_dataset
 def test_prefetch_to_device_dataset():
     distribution = strategy_named("mirrored_2")
     input_options = mirrored.InputOptions(experimental_fetch_to_device=True)
-    dataset = batches(np.arange(100), distribution.num_replicas_in_sync)
-    dataset = distribution.experimental_distribute_dataset(dataset, options=input_options)
+    source = _PulledOn()
+    dataset = distribution.experimental_distribute_dataset(source, options=input_options)
     item = next(iter(dataset))
     values = distribution.experimental_local_results(item)
     device_types = [next(iter(t.devices())).platform for t in values]
@@ -181,20 +194,28 @@ def test_prefetch_to_device_dataset():
     assert device_types == expected_device_types
     assert [t.devices() for t in values] == [{d} for d in distribution.extended.worker_devices]
     np.testing.assert_array_equal(np.concatenate(local(distribution, item)), [0, 1])
+    # Fetched ahead: the batches are pulled and placed on a background thread.
+    assert source.threads and threading.main_thread() not in source.threads
 
 
 # TF: tensorflow/python/distribute/mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest.test_prefetch_to_host_dataset
 def test_prefetch_to_host_dataset():
+    # Deliberate difference: TF leaves the elements on the host; mirrored places each batch on
+    # the replicas' devices when it is asked for, on the caller's thread, with nothing
+    # fetched ahead. (On CPU "the host" and "the devices" are the same platform: the thread
+    # and the count of pulled batches are what tell the two options apart.)
     distribution = strategy_named("mirrored_2")
     input_options = mirrored.InputOptions(experimental_fetch_to_device=False)
-    dataset = batches(np.arange(100), distribution.num_replicas_in_sync)
-    dataset = distribution.experimental_distribute_dataset(dataset, options=input_options)
-    item = next(iter(dataset))
-    device_types = {
-        next(iter(t.devices())).platform for t in distribution.experimental_local_results(item)
-    }
-    assert list(device_types) == ["cpu"]
+    source = _PulledOn()
+    dataset = distribution.experimental_distribute_dataset(source, options=input_options)
+    iterator = iter(dataset)
+    item = next(iterator)
+    assert source.threads == [threading.main_thread()]  # this one batch, pulled by the caller
+    values = distribution.experimental_local_results(item)
+    assert [t.devices() for t in values] == [{d} for d in distribution.extended.worker_devices]
     np.testing.assert_array_equal(np.concatenate(local(distribution, item)), [0, 1])
+    np.testing.assert_array_equal(np.concatenate(local(distribution, next(iterator))), [2, 3])
+    assert source.threads == [threading.main_thread()] * 2
 
 
 # TF: tensorflow/python/distribute/mirrored_strategy_test.py::MirroredTwoDeviceDistributionTest.testNumpyDataset
@@ -672,7 +693,7 @@ def test_dynamic_number_of_rows_from_function():
     distribution = strategy_named("mirrored_2")
 
     def dataset_fn(_):
-        data = np.zeros(5, dtype=np.int32)
+        data = np.arange(5, dtype=np.int32)  # TF's zeros: distinct here, so rows can be told apart
         return batches(data, 3)
 
     example = next(iter(distribution.distribute_datasets_from_function(dataset_fn)))
@@ -682,7 +703,7 @@ def test_dynamic_number_of_rows_from_function():
 
     outputs = local(distribution, distribution.run(step_fn, args=(example,)))
     assert [int(v) for v in outputs] == [3, 2]
-    assert [v.shape for v in local(distribution, example)] == [(3,), (2,)]
+    assert [v.tolist() for v in local(distribution, example)] == [[0, 1, 2], [3, 4]]
 
 
 # TF: tensorflow/python/distribute/custom_training_loop_input_test.py::InputIterationTest.testDatasetDistributeEvenlyDivisibleDrop
@@ -941,9 +962,12 @@ def test_ragged_sparse_dense_part(input_type, drop_remainder):
 def test_input_signature_for_per_replica_values(name, input_type):
     distribution = strategy_named(name)
 
+    # TF's ones: distinct values here, so a dropped or reordered row shows.
+    data = np.arange(120, dtype=np.float32).reshape(10, 12)
+
     def dataset_fn(ctx):
         del ctx  # unused
-        return batches(np.ones([10, 12]).astype(np.float32), 4)
+        return batches(data, 4)
 
     if input_type == "dataset":
         ds = distribution.experimental_distribute_dataset(dataset_fn(mirrored.InputContext()))
@@ -953,21 +977,16 @@ def test_input_signature_for_per_replica_values(name, input_type):
     def process_inputs(inputs):
         return distribution.run(lambda inputs: inputs, args=(inputs,))
 
-    rows = 0
-    for x in ds:
-        out = process_inputs(x)
-        got = np.concatenate(local(distribution, out))
-        np.testing.assert_array_equal(got, np.ones_like(got))
-        rows += got.shape[0]
-    assert rows == 10
+    got = [np.concatenate(local(distribution, process_inputs(x))) for x in ds]
+    np.testing.assert_array_equal(np.concatenate(got), data)
 
 
 # TF: tensorflow/python/distribute/input_lib_test.py::InputTypeSpecTest.testInputSignatureForNestedPerReplicaValues
 @pytest.mark.parametrize("name", ["one_device", "mirrored_1", "mirrored_2"])
 def test_input_signature_for_nested_per_replica_values(name):
     distribution = strategy_named(name)
-    a = np.ones((10, 2)) * 5
-    b = np.ones((10, 3)) * 6
+    a = np.arange(20).reshape(10, 2) * 5  # TF's ones * 5 and * 6: distinct rows here
+    b = np.arange(30).reshape(10, 3) * 6
     dist_dataset = distribution.experimental_distribute_dataset(batches((a, b), 2))
 
     def process_inputs(inputs):
@@ -976,8 +995,9 @@ def test_input_signature_for_nested_per_replica_values(name):
     steps = 0
     for x in dist_dataset:
         out_a, out_b = process_inputs(x)
-        np.testing.assert_array_equal(distribution.gather(out_a, axis=0), np.ones((2, 2)) * 5)
-        np.testing.assert_array_equal(distribution.gather(out_b, axis=0), np.ones((2, 3)) * 6)
+        rows = slice(2 * steps, 2 * steps + 2)
+        np.testing.assert_array_equal(distribution.gather(out_a, axis=0), a[rows])
+        np.testing.assert_array_equal(distribution.gather(out_b, axis=0), b[rows])
         steps += 1
     assert steps == 5
 

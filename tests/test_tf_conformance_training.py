@@ -12,7 +12,6 @@ Ported with the same inputs and expected numbers from
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import grain
@@ -610,13 +609,11 @@ def test_predict_with_dataset_with_partial_batch(n):
     dataset = grain.MapDataset.source(inputs)
     # As sample size is 10, we batch by 4 so that the last batch is a partial batch.
     dataset_with_partial_batch = dataset.batch(4)
-    _, trainer = _trainer(mirrored_on(n), lambda: _Dense34(rngs=nnx.Rngs(0)))
-    _, cpu_trainer = _trainer(one_device(), lambda: _Dense34(rngs=nnx.Rngs(0)))
+    model, trainer = _trainer(mirrored_on(n), lambda: _Dense34(rngs=nnx.Rngs(0)))
+    # TF's cpu_model.predict: here the model called on all the inputs, without mirrored.
+    predict_ground_truth = np.asarray(model(inputs))
     np.testing.assert_allclose(
-        trainer.predict(dataset_with_partial_batch),
-        cpu_trainer.predict(dataset_with_partial_batch),
-        atol=1e-5,
-        rtol=1e-5,
+        trainer.predict(dataset_with_partial_batch), predict_ground_truth, atol=1e-5, rtol=1e-5
     )
 
 
@@ -628,10 +625,11 @@ def test_predict_multi_output_model_with_dataset_with_partial_batch(n):
     # As sample size is 200, we batch by 18 using 12 steps per epoch so that the last batch
     # is a partial batch.
     dataset_with_partial_batch = grain.MapDataset.source(records).batch(18)
-    _, trainer = _trainer(mirrored_on(n), lambda: _MultiInputsMultiOutputs(rngs=nnx.Rngs(0)))
-    _, cpu_trainer = _trainer(one_device(), lambda: _MultiInputsMultiOutputs(rngs=nnx.Rngs(0)))
+    model, trainer = _trainer(mirrored_on(n), lambda: _MultiInputsMultiOutputs(rngs=nnx.Rngs(0)))
+    # TF's cpu_model.predict: here the model called on all the inputs, without mirrored.
+    expected = [np.asarray(out) for out in model(input_dict)]
     got = trainer.predict(dataset_with_partial_batch)
-    expected = cpu_trainer.predict(dataset_with_partial_batch)
+    assert len(got) == 2
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape == (200, g.shape[1])
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4)
@@ -713,30 +711,61 @@ def test_regularizer_loss(kind, batch):
 
 
 # TF: tensorflow/python/keras/distribute/distribute_strategy_test.py::TestDistributionStrategyWithDatasets.test_fit_eval_and_predict_methods_on_dataset_without_steps
+def _distinct_inputs_and_targets():
+    # Deliberate difference: TF's zeros (a model that cannot move, on rows that cannot be told
+    # apart) would not see a dropped or reordered row; distinct values do. The model then
+    # trains, so the NumPy and the dataset path each get a fresh one, fit without shuffling.
+    rng = np.random.RandomState(7)
+    return rng.random_sample((1000, 3)).astype("float32"), rng.random_sample((1000, 4)).astype(
+        "float32"
+    )
+
+
+def _dense34_trainers(n):
+    """Two identical trainers on `n` replicas: one for NumPy inputs, one for datasets."""
+    return [
+        _trainer(
+            mirrored_on(n),
+            lambda: _Dense34(rngs=nnx.Rngs(0)),
+            metrics=["mae", "categorical_accuracy"],
+        )
+        for _ in range(2)
+    ]
+
+
+def _assert_trained_and_predicted_as_called(model, trainer, inputs, targets, predicted):
+    """Ground truth without mirrored: the trained model called on every row, in order."""
+    _assert_logs_close(
+        trainer.evaluate(inputs, targets, batch_size=10),
+        _dense34_ground_truth(model, inputs, targets),
+    )
+    np.testing.assert_allclose(predicted, np.asarray(model(inputs)), atol=1e-5, rtol=1e-5)
+
+
+# TF: tensorflow/python/keras/distribute/distribute_strategy_test.py::TestDistributionStrategyWithDatasets.test_fit_eval_and_predict_methods_on_dataset_without_steps
 @pytest.mark.parametrize("n", REPLICAS)
 def test_fit_eval_and_predict_methods_on_dataset_without_steps(n):
-    _, trainer = _trainer(
-        mirrored_on(n),
-        lambda: _Dense34(rngs=nnx.Rngs(0)),
-        metrics=["mae", "categorical_accuracy"],
-    )
-    inputs = np.zeros((1000, 3), dtype=np.float32)
-    targets = np.zeros((1000, 4), dtype=np.float32)
+    (model, trainer), (ds_model, ds_trainer) = _dense34_trainers(n)
+    inputs, targets = _distinct_inputs_and_targets()
     # steps/steps_per_epoch are calculated when using numpy arrays as input data.
-    fit_with_numpy = trainer.fit(inputs, targets, epochs=1, batch_size=10, verbose=0).history
+    fit_with_numpy = trainer.fit(
+        inputs, targets, epochs=1, batch_size=10, shuffle=False, verbose=0
+    ).history
     eval_with_numpy = trainer.evaluate(inputs, targets, batch_size=10)
     predict_with_numpy = trainer.predict(inputs, batch_size=10)
 
     dataset = grain.MapDataset.source(list(zip(inputs, targets, strict=True)))
     dataset = dataset.batch(10, drop_remainder=True)
-    fit_with_ds = trainer.fit(dataset, epochs=1, verbose=0).history
-    eval_with_ds = trainer.evaluate(dataset)
+    fit_with_ds = ds_trainer.fit(dataset, epochs=1, verbose=0).history
+    eval_with_ds = ds_trainer.evaluate(dataset)
     predict_dataset = grain.MapDataset.source(inputs).batch(10, drop_remainder=True)
-    predict_with_ds = trainer.predict(predict_dataset)
+    predict_with_ds = ds_trainer.predict(predict_dataset)
     for key in fit_with_numpy:
         np.testing.assert_allclose(fit_with_numpy[key], fit_with_ds[key], atol=1e-4, rtol=1e-4)
     _assert_logs_close(eval_with_ds, eval_with_numpy)
     np.testing.assert_allclose(predict_with_numpy, predict_with_ds, atol=1e-4, rtol=1e-4)
+    _assert_trained_and_predicted_as_called(model, trainer, inputs, targets, predict_with_numpy)
+    _assert_trained_and_predicted_as_called(ds_model, ds_trainer, inputs, targets, predict_with_ds)
 
 
 class _UnknownCardinality:
@@ -752,17 +781,11 @@ class _UnknownCardinality:
 # TF: tensorflow/python/keras/distribute/distribute_strategy_test.py::TestDistributionStrategyWithDatasets.test_on_dataset_with_unknown_cardinality_without_steps
 @pytest.mark.parametrize("n", [2, 8])
 def test_on_dataset_with_unknown_cardinality_without_steps(n):
-    _, trainer = _trainer(
-        mirrored_on(n),
-        lambda: _Dense34(rngs=nnx.Rngs(0)),
-        metrics=["mae", "categorical_accuracy"],
-    )
-    inputs = np.zeros((1000, 3), dtype=np.float32)
-    targets = np.zeros((1000, 4), dtype=np.float32)
-    fit_with_numpy = trainer.fit(inputs, targets, epochs=1, batch_size=10, verbose=0).history
-    fit_with_numpy_multiple_epochs = trainer.fit(
-        inputs, targets, epochs=2, batch_size=10, verbose=0
-    ).history
+    (model, trainer), (ds_model, ds_trainer) = _dense34_trainers(n)
+    inputs, targets = _distinct_inputs_and_targets()
+    numpy_fit = {"batch_size": 10, "shuffle": False, "verbose": 0}
+    fit_with_numpy = trainer.fit(inputs, targets, epochs=1, **numpy_fit).history
+    fit_with_numpy_multiple_epochs = trainer.fit(inputs, targets, epochs=2, **numpy_fit).history
     eval_with_numpy = trainer.evaluate(inputs, targets, batch_size=10)
     predict_with_numpy = trainer.predict(inputs, batch_size=10)
 
@@ -771,13 +794,12 @@ def test_on_dataset_with_unknown_cardinality_without_steps(n):
     )
     predict_dataset = _UnknownCardinality([inputs[i : i + 10] for i in range(0, 1000, 10)])
 
-    eval_with_ds = trainer.evaluate(dataset)
-    predict_with_ds = trainer.predict(predict_dataset)
+    fit_with_ds = ds_trainer.fit(dataset, epochs=1, verbose=0).history
+    fit_with_ds_multiple_epochs = ds_trainer.fit(dataset, epochs=2, verbose=0).history
+    eval_with_ds = ds_trainer.evaluate(dataset)
+    predict_with_ds = ds_trainer.predict(predict_dataset)
     _assert_logs_close(eval_with_ds, eval_with_numpy)
     np.testing.assert_allclose(predict_with_numpy, predict_with_ds, atol=1e-4, rtol=1e-4)
-
-    fit_with_ds = trainer.fit(dataset, epochs=1, verbose=0).history
-    fit_with_ds_multiple_epochs = trainer.fit(dataset, epochs=2, verbose=0).history
     for key in fit_with_numpy:
         np.testing.assert_allclose(fit_with_numpy[key], fit_with_ds[key], atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(
@@ -786,6 +808,8 @@ def test_on_dataset_with_unknown_cardinality_without_steps(n):
             atol=1e-4,
             rtol=1e-4,
         )
+    _assert_trained_and_predicted_as_called(model, trainer, inputs, targets, predict_with_numpy)
+    _assert_trained_and_predicted_as_called(ds_model, ds_trainer, inputs, targets, predict_with_ds)
 
 
 # ==============================================================================================
@@ -826,8 +850,7 @@ def _dnn_fit_eval_and_predict(distribution, use_validation_data):
     x_train, y_train, x_eval, y_eval, x_predict = _dnn_data_with_partial_last_batch()
     # The TF model has an l2(1e-4) kernel regularizer on its second layer; Trainer takes
     # per-example losses only, so the port leaves it out.
-    scope = distribution.scope() if distribution is not None else contextlib.nullcontext()
-    with scope:
+    with distribution.scope():
         model = _Dnn(rngs=nnx.Rngs(0))
         trainer = mirrored.Trainer(model, optax.sgd(0.05), "mse", ["mse"])
     training = {"batch_size": 64, "epochs": 1, "shuffle": False, "verbose": 0}
@@ -848,7 +871,47 @@ def _dnn_fit_eval_and_predict(distribution, use_validation_data):
 
 @functools.cache
 def _dnn_results_without_distribution(use_validation_data):
-    return _dnn_fit_eval_and_predict(None, use_validation_data)  # mirrored's default strategy
+    """TF's results without a distribution strategy, here without mirrored: the same model
+    under plain nnx.jit, SGD on the mean loss of each global batch of 64 (the last holds 16),
+    the "mse" loss and metric as means over every example."""
+    x_train, y_train, x_eval, y_eval, x_predict = _dnn_data_with_partial_last_batch()
+    model = _Dnn(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            per_example = jnp.mean((model(x) - y) ** 2, axis=-1)
+            return per_example.mean(), per_example
+
+        (_, per_example), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return per_example
+
+    def mse(x, y):
+        return float(np.mean(np.mean((np.asarray(model(x)) - y) ** 2, axis=-1)))
+
+    def fit():
+        losses = [
+            step(model, optimizer, x_train[i : i + 64], y_train[i : i + 64])
+            for i in range(0, 10000, 64)
+        ]
+        loss = float(np.mean(np.concatenate(losses)))
+        history = {"loss": [loss], "mse": [loss]}
+        if use_validation_data:
+            history |= {"val_loss": [mse(x_eval, y_eval)], "val_mse": [mse(x_eval, y_eval)]}
+        return history
+
+    result = {"training_history_1": fit()}
+    if not use_validation_data:
+        result["eval_result_1"] = {"loss": mse(x_eval, y_eval), "mse": mse(x_eval, y_eval)}
+    result["weights_1"] = params_of(model)
+    result["predict_result_0"] = np.asarray(model(x_predict))
+    result["training_history_2"] = fit()
+    if not use_validation_data:
+        result["eval_result_2"] = {"loss": mse(x_eval, y_eval), "mse": mse(x_eval, y_eval)}
+    result["weights_2"] = params_of(model)
+    return result
 
 
 # TF: tensorflow/python/keras/distribute/keras_dnn_correctness_test.py::TestDistributionStrategyDnnCorrectness.test_dnn_correctness_with_partial_last_batch

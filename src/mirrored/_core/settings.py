@@ -11,15 +11,6 @@ from collections.abc import Iterator
 
 import jax
 
-__all__ = [
-    "compilation_cache_dir",
-    "default_cache_dir",
-    "device_data_bytes",
-    "functions_run_eagerly",
-    "run_functions_eagerly",
-    "set_compilation_cache",
-]
-
 logger = logging.getLogger("mirrored")
 
 ENV = "MIRRORED_COMPILATION_CACHE"

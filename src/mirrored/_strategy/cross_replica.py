@@ -129,19 +129,7 @@ def stacked(strategy: StrategyLike, value: Any) -> jax.Array:
 
 
 def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: int | None) -> Any:
-    """Combine per-replica values into one value on the host side.
-
-    `axis=None` combines across replicas only. `axis=k` also reduces along axis `k` of each
-    replica's value, so `MEAN` divides by the global number of elements.
-
-    A padded batch, or an output of `run` computed per example from one, carries the
-    batch's mask: `axis=0` counts its real rows only, exactly as TensorFlow counts the
-    unevenly split last batch (`[5, 6, 7]` on 2 replicas: `MEAN` is 6.0). Other axes would
-    mix padding into the result and raise while the batch is padded.
-
-    Example:
-        >>> strategy.reduce("SUM", per_replica_loss, axis=None)
-    """
+    """`Strategy.reduce` (its docstring says what axis and padding mean)."""
     op = ReduceOp.parse(reduce_op)
 
     def one(v: Any) -> jax.Array:
@@ -161,11 +149,7 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
 
 
 def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
-    """Concatenate every replica's value along `axis`, in replica order.
-
-    On a padded batch (or `run`'s per-example outputs over one), `axis=0` keeps the real
-    rows only, in order: the global batch as the dataset yielded it.
-    """
+    """`Strategy.gather`: the replicas' values in replica order, real rows only on axis 0."""
 
     def one(v: Any) -> jax.Array:
         values = stacked(strategy, v)
@@ -189,11 +173,7 @@ def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
 
 
 def local_results(strategy: StrategyLike, value: Any) -> tuple[Any, ...]:
-    """This process's replicas' values, one entry per replica, each on its own device.
-
-    A padded batch shows each replica's real rows only (as TensorFlow's unevenly split
-    last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
-    """
+    """`Strategy.experimental_local_results`: real rows only, each on its own device."""
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
     n = sum(1 for d in strategy.extended.worker_devices if d.process_index == jax.process_index())
     with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh

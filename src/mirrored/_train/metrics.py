@@ -1,23 +1,5 @@
-"""Keras-named stateful metrics, exact inside `strategy.run`, in `Trainer` and across processes.
-
-A metric is an NNX module whose state is running sums (`MetricState`). Create it inside
-`strategy.scope()` and pass it to `run` as an argument, like the model. Each replica adds its
-own rows, as TensorFlow's SYNC_ON_READ variables do; when the step ends the replicas'
-additions are summed, so the state stays mirrored and `result()` is the metric of the whole
-global batch, anywhere. Padded rows of a ragged batch are masked out automatically.
-
-Example:
-    >>> with strategy.scope():
-    ...     accuracy = mirrored.metrics.SparseCategoricalAccuracy()
-    >>> def step(model, accuracy, x, y):
-    ...     accuracy.update_state(y, model(x))
-    >>> strategy.run(step, args=(model, accuracy, xb, yb))
-    >>> float(accuracy.result())
-
-Subclass `Metric` for your own: create `MetricState` sums in `__init__` with `add_variable`,
-add to them in `update_state` (weights from `self.weights(...)` mask the padding), and
-compute `result()` from them.
-"""
+"""The Keras-named metrics behind `mirrored.metrics` (whose docstring is the user's guide): sums
+that every replica adds its real rows to, combined on read."""
 
 from __future__ import annotations
 
@@ -34,24 +16,6 @@ from flax import nnx
 from mirrored._nnx.metrics import MetricState, row_mask, warn_if_a_loss_share
 
 logger = logging.getLogger("mirrored.metrics")
-
-__all__ = [
-    "AUC",
-    "Accuracy",
-    "BinaryAccuracy",
-    "CategoricalAccuracy",
-    "Mean",
-    "MeanAbsoluteError",
-    "MeanMetricWrapper",
-    "MeanSquaredError",
-    "Metric",
-    "MetricState",
-    "Precision",
-    "Recall",
-    "SparseCategoricalAccuracy",
-    "SparseTopKCategoricalAccuracy",
-    "Sum",
-]
 
 _EPSILON = 1e-7  # Keras' backend.epsilon()
 

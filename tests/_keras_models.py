@@ -1,0 +1,149 @@
+"""The Keras data and models of test_keras, shared with _keras_reference.py: no mirrored here,
+so that the plain Keras references can be computed in a process that never imports it."""
+
+import keras
+import numpy as np
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(525, 20)).astype("float32")  # 525 at batch 64: the last batch has 13
+Y = RNG.integers(0, 10, 525).astype("int32")
+BATCHES = [(X[i : i + 64], Y[i : i + 64]) for i in range(0, 525, 64)]
+SAMPLE_WEIGHTS = np.linspace(0.2, 2.0, 525).astype("float32")
+TOKENS = RNG.integers(1, 50, size=(525, 7)).astype("int32")
+TOKENS[::3, 4:] = 0  # padding tokens: masked by Embedding(mask_zero=True)
+TWO_OUTPUT_LABELS = {"cls": Y, "reg": X[:, :1] * 2.0}
+FIT = {"batch_size": 64, "shuffle": False, "verbose": 0}
+
+
+def sequential(*, dropout=0.0, norm=None, input_shape=True):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((20,))] if input_shape else []
+    layers.append(keras.layers.Dense(32, activation="relu"))
+    if norm is not None:
+        layers.append(keras.layers.BatchNormalization(momentum=0.8, synchronized=norm == "sync"))
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    layers.append(keras.layers.Dense(10))
+    return keras.Sequential(layers)
+
+
+def compile_sgd(model, **options):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **options,
+    )
+    return model
+
+
+def compiled(**kwargs):
+    return compile_sgd(sequential(**kwargs))
+
+
+class PenalizedLoss(keras.Model):
+    """Keras' guide pattern: `compute_loss` overridden to scale the loss and add a penalty."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        base = super().compute_loss(x, y, y_pred, sample_weight, training)
+        kernel = self.layers[-1].kernel
+        return 3.0 * base + 0.01 * keras.ops.sum(keras.ops.square(kernel)) + 0.5
+
+
+def penalized():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((20,))
+    hidden = keras.layers.Dense(32, activation="relu", kernel_regularizer="l2")(inputs)
+    return compile_sgd(PenalizedLoss(inputs, keras.layers.Dense(10)(hidden)))
+
+
+def recurrent(kind):
+    """(model, labels): embedded tokens through recurrent layers, or a per-token loss."""
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((7,), dtype="int32")
+    embedded = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
+    if kind == "per_token":  # the mask reaches the loss: a mean over the real tokens
+        return keras.Model(tokens, keras.layers.Dense(3)(embedded)), TOKENS % 3
+    sequence = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))(embedded)
+    hidden = keras.layers.GRU(4, go_backwards=True)(sequence)
+    return keras.Model(tokens, keras.layers.Dense(10)(hidden)), Y
+
+
+def compile_loss_only(model):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def two_outputs():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((20,))
+    hidden = keras.layers.Dense(
+        32,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=keras.regularizers.L1(0.01),
+    )(inputs)
+    outputs = {
+        "cls": keras.layers.Dense(10, name="cls")(hidden),
+        "reg": keras.layers.Dense(1, name="reg")(hidden),
+    }
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+        loss_weights={"cls": 1.0, "reg": 0.5},
+        metrics={"cls": ["accuracy"], "reg": ["mae"]},
+    )
+    return model
+
+
+def adam_model():
+    model = sequential()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+class HalveAtBatch3(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:  # `self.model` brings Keras' per-step state back into the variables
+            self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+
+def everyday():
+    """A model with every Keras part mirrored patches (outside a strategy they must change
+    nothing): regularizers, BatchNormalization, seeded Dropout, Adam."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(
+                16,
+                activation="relu",
+                kernel_regularizer=keras.regularizers.L2(0.01),
+                activity_regularizer=keras.regularizers.L1(0.001),
+            ),
+            keras.layers.BatchNormalization(momentum=0.8),
+            keras.layers.Dropout(0.25),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def everyday_recurrent():
+    keras.utils.set_random_seed(6)
+    tokens = keras.Input((7,), dtype="int32")
+    embedded = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(10)(keras.layers.GRU(4)(embedded)))
+    return compile_loss_only(model)
