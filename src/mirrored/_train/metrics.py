@@ -220,8 +220,13 @@ def sparse_top_k_categorical_accuracy(y_true: Any, y_pred: Any, k: int = 5) -> j
     y_pred = jnp.asarray(y_pred)
     if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
         y_true = y_true[..., 0]
-    top = jax.lax.top_k(y_pred, min(k, y_pred.shape[-1]))[1]
-    return jnp.any(top == y_true.astype(top.dtype)[..., None], axis=-1).astype(jnp.float32)
+    # Keras' `in_top_k`: the label's rank counts only strictly higher scores, so a tie at the
+    # k-th score is in the top k (`lax.top_k` would break the tie by position); a NaN score at
+    # the label ranks last.
+    at_label = jnp.take_along_axis(y_pred, y_true.astype(jnp.int32)[..., None], axis=-1)
+    at_label = jnp.where(jnp.isnan(at_label), -jnp.inf, at_label)
+    rank = 1 + jnp.sum(y_pred > at_label, axis=-1)
+    return (rank <= k).astype(jnp.float32)
 
 
 def mean_squared_error(y_true: Any, y_pred: Any) -> jax.Array:
@@ -298,6 +303,8 @@ class MeanAbsoluteError(MeanMetricWrapper):
 class _Confusion(Metric):
     """True/false positives/negatives at each threshold, from predictions in [0, 1]."""
 
+    from_logits = False  # the Trainer's "precision"/"recall" under a from_logits=True loss
+
     def __init__(self, thresholds: Sequence[float], name: str | None, dtype: Any) -> None:
         super().__init__(name, dtype)
         self.thresholds = tuple(float(t) for t in thresholds)  # static, not state
@@ -308,7 +315,8 @@ class _Confusion(Metric):
         self.false_negatives = self.add_variable(shape)
 
     def _predictions(self, y_pred: Any) -> Any:
-        return jnp.asarray(y_pred, jnp.float32)
+        y_pred = jnp.asarray(y_pred, jnp.float32)
+        return jax.nn.sigmoid(y_pred) if self.from_logits else y_pred
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         y_pred = self._predictions(y_pred)
@@ -413,8 +421,9 @@ class AUC(_Confusion):
         self.from_logits = from_logits
 
     def _predictions(self, y_pred: Any) -> Any:
-        y_pred = jnp.asarray(y_pred, jnp.float32)
-        return jax.nn.sigmoid(y_pred) if self.from_logits else y_pred
+        # Keras clips into [0, 1] for evenly spaced thresholds (AUC's): a score above 1 counts
+        # as 1, not as above the last threshold.
+        return jnp.clip(super()._predictions(y_pred), 0.0, 1.0)
 
     def result(self) -> jax.Array:
         tp, fp = self.true_positives[...], self.false_positives[...]

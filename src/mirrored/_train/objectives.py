@@ -242,7 +242,7 @@ def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array
     return accuracy
 
 
-_STATEFUL: dict[str, Callable[[], _metrics.Metric]] = {
+_STATEFUL: dict[str, Callable[[], _metrics._Confusion]] = {
     "precision": _metrics.Precision,
     "recall": _metrics.Recall,
     "auc": _metrics.AUC,
@@ -257,10 +257,14 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
         return Metric(spec.name, functools.partial(spec._fn, **spec._fn_kwargs))
     if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
         return spec
+    from_logits = getattr(loss, "from_logits", False)
     if spec in _STATEFUL:
-        return _STATEFUL[spec]()
+        # As "accuracy": with a from_logits=True loss the outputs are logits, so the names
+        # score their sigmoid (Keras would threshold or bucket the logits themselves).
+        metric = _STATEFUL[spec]()
+        metric.from_logits = from_logits
+        return metric
     if isinstance(spec, str):
-        from_logits = getattr(loss, "from_logits", False)
         if spec in ("accuracy", "acc"):
             return Metric(spec, _shape_resolved_accuracy(0.0 if from_logits else 0.5))
         named: dict[str, Callable[[Any, Any], jax.Array]] = {
