@@ -341,3 +341,17 @@ def test_check_numerics_is_off_by_default_and_in_fit(checking):
     assert not mirrored.debug.check_numerics_enabled()
     history = _trainer(False).fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert np.isnan(history.history["loss"][0])  # unchecked: the NaN trains silently
+
+
+def test_a_non_finite_last_step_raises_as_the_loop_over_the_dataset_ends(checking):
+    """The flags are read two steps behind; the loop's end looks at the rest (issue 33, 9)."""
+    batches = _nan_batches(step=4, replica=6)  # the last of 5 batches
+    strategy = mirrored.MirroredStrategy()
+    model, optimizer = _state(strategy, lambda: optax.sgd(0.1))
+    steps = 0
+    with pytest.raises(mirrored.debug.NonFiniteError) as info:
+        for x, y in strategy.experimental_distribute_dataset(batches):
+            strategy.run(train_step, args=(model, optimizer, x, y))
+            steps += 1
+    assert steps == 5  # every step ran; the error came from the `for` statement itself
+    assert info.value.step == 4 and info.value.replicas == [6]

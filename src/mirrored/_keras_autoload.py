@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
 import types
 from typing import Any
@@ -80,6 +81,14 @@ class _Finder(importlib.abc.MetaPathFinder):
 def install() -> None:
     """At `import mirrored`: the adapter now if Keras is loaded, else when it is (and at every
     `strategy.scope()`, for a Keras imported while the finder was not yet in place)."""
+    if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
+        # Keras unset tries TensorFlow first (and fails without it); mirrored distributes
+        # Keras models on JAX only.
+        os.environ["KERAS_BACKEND"] = "jax"
+        logger.info(
+            "KERAS_BACKEND was not set: mirrored set it to 'jax' for a later `import keras` "
+            "(mirrored distributes Keras models on the JAX backend only)."
+        )
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
     hooks.on_scope(ensure_adapter)

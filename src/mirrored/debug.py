@@ -8,8 +8,8 @@ steps). On the first non-finite value the step's update is dropped, and so are t
 steps dispatched after it (the model and optimizer stay as they were before it), and
 `NonFiniteError` says the step, the replica(s) where it appeared and the first offending
 parameter. It is raised by the call two steps later, by the next `strategy.reduce`, `gather`
-or `experimental_local_results`, at the end of a `fit` epoch, `evaluate` or `predict`, or by
-`disable_check_numerics()`, whichever comes first.
+or `experimental_local_results`, when a loop over a distributed dataset ends, at the end of a
+`fit` epoch, `evaluate` or `predict`, or by `disable_check_numerics()`, whichever comes first.
 
 Example:
     >>> mirrored.debug.enable_check_numerics()

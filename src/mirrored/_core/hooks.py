@@ -45,6 +45,8 @@ class StrategyLike(Protocol):
 
     def scope(self) -> AbstractContextManager[Any]: ...
 
+    def _check_pending(self) -> None: ...
+
 
 class Extension(Protocol):
     """What an optional framework installs (Keras: `mirrored.keras`)."""

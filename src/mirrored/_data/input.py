@@ -311,7 +311,7 @@ class DistributedDataset:
 
     def __iter__(self) -> Iterator[Any]:
         self._epoch += 1
-        return self.epoch_iterator(self._epoch)
+        return _CheckedAtTheEnd(self.epoch_iterator(self._epoch), self._strategy)
 
     def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
         """The batches of epoch `epoch` (1-based; it seeds the shuffle), from batch `skip` on."""
@@ -324,6 +324,24 @@ class DistributedDataset:
             # processes' device threads and stall a collective; place on the calling thread.
             return placed
         return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
+
+
+class _CheckedAtTheEnd(Iterator[Any]):
+    """The batches, then check_numerics' pending steps looked at: a non-finite value in one of
+    a loop's last steps raises as the loop ends, not at a later read or at exit."""
+
+    __slots__ = ("_batches", "_strategy")
+
+    def __init__(self, batches: Iterator[Any], strategy: Strategy) -> None:
+        self._batches = batches
+        self._strategy = strategy
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._strategy._check_pending()
+            raise
 
 
 @functools.partial(jax.jit, static_argnames=("sharding",))
