@@ -343,6 +343,9 @@ class _CheckedAtTheEnd(Iterator[Any]):
             self._strategy._check_pending()
             raise
 
+    def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
+        return getattr(self._batches, name)
+
 
 @functools.partial(jax.jit, static_argnames=("sharding",))
 def _count_real(mask: jax.Array, sharding: Any) -> jax.Array:
