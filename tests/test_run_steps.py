@@ -162,7 +162,9 @@ def test_trainer_steps_per_execution_equals_one_step_per_execution(replicas, mak
 
 def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
     _, _, hooks = _fit(8, lambda: optax.sgd(0.1), 3, steps_per_epoch=5)
-    assert hooks.begins == [0, 3] * 2 and [b for b, _ in hooks.ends] == [2, 4] * 2
+    # 9 batches a pass: epoch 1 is batches 0-4, epoch 2 the rest of the pass, 5-8 (Keras'
+    # epochs continue through the data), each cut into executions of at most 3 steps.
+    assert hooks.begins == [0, 3] * 2 and [b for b, _ in hooks.ends] == [2, 4, 2, 3]
     with pytest.raises(ValueError, match="steps_per_execution to be a positive int"):
         _fit(8, lambda: optax.sgd(0.1), 0)
 

@@ -254,3 +254,37 @@ def test_fit_outside_the_scope_is_fine_but_state_from_outside_is_not(devices):
     outside = SmallMLP(rngs=nnx.Rngs(0))
     with strategy.scope(), pytest.raises(ValueError, match=r"the model\.hidden\.bias .*outside"):
         mirrored.Trainer(outside, optax.sgd(0.1), "mse")
+
+
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_steps_per_epoch_continues_through_the_data_as_keras(devices, replicas, caplog):
+    """Keras' EpochIterator: with steps_per_epoch, epochs continue through the data; an epoch
+    that reaches the end of a pass stops there, and the next starts a new pass (issue 33, 4).
+    20 rows at batch 8 are batches [0, 1], [2] (4 rows, ragged), [0, 1], [2]; mirrored
+    restarted at batch 0 every epoch and never saw the last 4 rows."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(20, 4)).astype(np.float32)
+    y = rng.normal(size=(20, 1)).astype(np.float32)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+        w, b = np.asarray(model.kernel[...]), np.asarray(model.bias[...])
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), loss="mse")
+    with caplog.at_level("WARNING", logger="mirrored"):
+        trainer.fit(x, y, batch_size=8, epochs=4, steps_per_epoch=2, shuffle=False, verbose=0)
+
+    # Plain JAX: SGD on the batch mean of the squared error, batches in Keras' order.
+    def loss(params, xb, yb):
+        return jax.numpy.mean((xb @ params[0] + params[1] - yb) ** 2)
+
+    params = (w, b)
+    for i in [0, 1, 2, 0, 1, 2]:
+        xb, yb = x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+        grads = jax.grad(loss)(params, xb, yb)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), params[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.bias[...]), params[1], rtol=1e-5, atol=1e-6)
+    short = [
+        r.getMessage() for r in caplog.records if "ran out after 1 of 2 steps" in r.getMessage()
+    ]
+    assert len(short) == 2  # epochs 2 and 4 end with their pass, as Keras warns

@@ -71,6 +71,21 @@ class _Placed:
         return iter(self._batches[skip:])
 
 
+def pass_position(epoch: int, steps: int, batches: int) -> tuple[int, int]:
+    """Where epoch `epoch` (from 0) starts under Keras' schedule for `steps_per_epoch=steps`
+    over data of `batches` batches a pass: (the pass, from 0; the batch within it).
+
+    As Keras' `EpochIterator`, epochs continue through the data: an epoch that reaches the end
+    of a pass stops there (short), and the next one starts a new, reshuffled pass.
+    """
+    done, position = 0, 0
+    for _ in range(epoch):
+        position += min(steps, batches - position)
+        if position >= batches:
+            done, position = done + 1, 0
+    return done, position
+
+
 def _batch_args(batch: Any) -> tuple[Any, ...]:
     if not isinstance(batch, tuple | list) or not 1 <= len(batch) <= 3:
         raise ValueError(

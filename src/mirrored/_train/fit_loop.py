@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from mirrored._train.batches import (
     _is_arrays,
     _Logs,
     _sample_weights,
+    pass_position,
 )
 from mirrored._train.callbacks.base import Callback, History
 from mirrored._train.callbacks.callback_list import CallbackList
@@ -81,8 +82,10 @@ class FitLoop:
 
         `batch_size` is the GLOBAL batch (default 32), split over the replicas. Without
         `steps_per_epoch`, an epoch is ceil(examples / batch_size) steps; the last, ragged
-        batch is padded and masked so every example counts exactly once. Shuffling is seeded by
-        `seed` and differs per epoch.
+        batch is padded and masked so every example counts exactly once. With it, as in
+        Keras, epochs continue through the data: an epoch that reaches the end of a pass stops
+        there (with a warning), and the next starts a new pass. Shuffling is seeded by `seed`
+        and differs per pass.
 
         As in Keras: `sample_weight` (one weight per example of `x`) weights the loss that is
         trained and logged; `validation_data` may be `(x, y)` or `(x, y, sample_weight)`;
@@ -151,6 +154,10 @@ class FitLoop:
         first_epoch, first_step = self._start or (initial_epoch, 0)
         if self._start is None:
             self._train_totals = self._zeros()
+        # Keras: with steps_per_epoch over data of known length, epochs continue through the
+        # data (batches [0, 1], [2, 3], [4], then a new pass), not from its start every epoch.
+        length = source_length(train) if steps_per_epoch is not None else None
+        current: tuple[int, Iterator[Any]] | None = None  # the pass being read, its batches
         self.model.train()
         for epoch in range(first_epoch, epochs):
             self._epoch = epoch
@@ -158,11 +165,18 @@ class FitLoop:
                 self._train_totals = self._zeros()
                 self._reset_metrics()
             callback_list.on_epoch_begin(epoch, {})
-            batches = train.epoch_iterator(
-                epoch + 1, skip=first_step if epoch == first_epoch else 0
-            )
-            step = first_step if epoch == first_epoch else 0
-            while steps is None or step < steps:
+            skip = first_step if epoch == first_epoch else 0
+            epoch_steps = steps
+            if length is None or steps is None:
+                batches = train.epoch_iterator(epoch + 1, skip=skip)
+            else:
+                data_pass, position = pass_position(epoch, steps, length)
+                if current is None or current[0] != data_pass:
+                    current = (data_pass, train.epoch_iterator(data_pass + 1, skip=position + skip))
+                batches = current[1]
+                epoch_steps = min(steps, length - position)
+            step = skip
+            while epoch_steps is None or step < epoch_steps:
                 # Keras' steps_per_execution: K steps in one program; the batch hooks see the
                 # first step of each execution begin and the last one end.
                 size = self.steps_per_execution
@@ -170,7 +184,7 @@ class FitLoop:
                     chunk = [
                         _batch_args(b)
                         for b in itertools.islice(
-                            batches, size if steps is None else min(size, steps - step)
+                            batches, size if epoch_steps is None else min(size, epoch_steps - step)
                         )
                     ]
                 if not chunk:
