@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,8 +53,10 @@ def target(owner: str, name: str, *, reason: str, checked: str, adds: bool = Fal
     return found
 
 
+@functools.cache
 def resolve(owner: str) -> Any:
-    """The object a dotted path names: the longest importable module, then attributes."""
+    """The object a dotted path names: the longest importable module, then attributes (found
+    once: a temporary patch is entered at every trace)."""
     parts = owner.split(".")
     for cut in range(len(parts), 0, -1):
         try:

@@ -57,9 +57,9 @@ class Runner:
     def __init__(
         self, strategy: StrategyLike, *, max_in_flight: int | None, donate: bool = True
     ) -> None:
-        self._strategy = self.strategy = strategy
-        self._mesh = self.mesh = strategy._mesh
-        self._n = self.n = strategy.num_replicas_in_sync
+        self.strategy = strategy
+        self.mesh = strategy._mesh
+        self.n = strategy.num_replicas_in_sync
         self.placement = Placement(frozenset(strategy.extended.worker_devices), self.n)
         self.is_mirrored = self.placement.is_mirrored
         self.check_mirrored = self.placement.check_mirrored
@@ -72,7 +72,7 @@ class Runner:
         # own queue bounds it, 32 programs per device), since on CPU each wait costs the
         # devices' threads CPU time (measured: ~7% of a one-device Keras fit step).
         if max_in_flight is None:
-            max_in_flight = dispatch.MAX_IN_FLIGHT if self._n > 1 else None
+            max_in_flight = dispatch.MAX_IN_FLIGHT if self.n > 1 else None
         self.bound_dispatch = dispatch.DispatchBound(max_in_flight)
         self._check_lag = max_in_flight or dispatch.MAX_IN_FLIGHT  # flags looked at this late
         self.donate = donate
@@ -161,7 +161,7 @@ class Runner:
         batches: list[Any],
     ) -> Any:
         """`len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program (`run_steps`)."""
-        steps = stacked_steps(self.placement, self._strategy, fn, args, kwargs, batches)
+        steps = stacked_steps(self.placement, self.strategy, fn, args, kwargs, batches)
         fn, sorted_, masked = steps.fn, steps.sorted_, steps.masked
         split, rep = steps.inputs
         compiling = (fn, steps.first, kwargs, steps.leaves, steps.treedef)
@@ -294,7 +294,7 @@ class Runner:
                 flags.copy_to_host_async()  # on the host by the time it is looked at
                 self._pending.append((program, flags, first))
                 self.check_pending(keep=0 if program.eager else self._check_lag)
-        n = self._n
+        n = self.n
         # Outputs per example of a padded batch carry its mask (a masked program takes it last).
         mask, count = (split[-1], rep[-1]) if program.any_masked else (None, None)
         return jax.tree.unflatten(
@@ -318,7 +318,7 @@ class Runner:
     def latch(self) -> jax.Array:
         """check_numerics' mirrored flag: set by a non-finite step, it keeps the state."""
         if self._failed is None:
-            self._failed = jax.device_put(np.zeros((), bool), self._strategy._replicated)
+            self._failed = jax.device_put(np.zeros((), bool), self.strategy._replicated)
         return self._failed
 
     def check_pending(self, keep: int = 0) -> None:
