@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -100,3 +104,18 @@ def assert_bit_identical_on_devices(tree: object) -> None:
         shards = [np.asarray(raw_array(s.data)) for s in leaf.addressable_shards]
         first = shards[0].tobytes()
         assert all(s.tobytes() == first for s in shards[1:]), "replicas diverged"
+
+
+def keras_reference(out, *options):
+    """Run _keras_reference.py (plain Keras, with mirrored only if asked); its JSON results."""
+    here = Path(__file__).resolve().parent
+    env = {**subprocess_env(), "KERAS_BACKEND": "jax"}
+    # With mirrored: the one this process tests, wherever the subprocess starts.
+    tested = str(Path(mirrored.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([tested, *filter(None, [env.get("PYTHONPATH")])])
+    command = ["timeout", "-k", "10", "300", sys.executable, str(here / "_keras_reference.py")]
+    result = subprocess.run(
+        [*command, str(out), *options], capture_output=True, text=True, cwd=here, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(Path(out).read_text())

@@ -147,3 +147,55 @@ def everyday_recurrent():
     embedded = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
     model = keras.Model(tokens, keras.layers.Dense(10)(keras.layers.GRU(4)(embedded)))
     return compile_loss_only(model)
+
+
+# -- losses and metrics of the whole batch (not a mean of per-example terms) -------------------
+
+BINARY = (X[:, :3] + 0.3 * X[:, 3:6] > 0).astype("float32")  # 3 labels per row, 0/1
+
+
+def rmse(y_true, y_pred):
+    """The classic compiled metric: one number per batch."""
+    return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_true - y_pred)))
+
+
+def mean_squared_scalar(y_true, y_pred):
+    """A user's loss function that reduces the batch itself (`ops.mean`)."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+class ReducingLoss(keras.losses.Loss):
+    """A user's `Loss` subclass whose `call` reduces: squared error over the batch's sum."""
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sum(keras.ops.square(y_true - y_pred)) / (
+            keras.ops.sum(y_true) + keras.ops.sum(y_pred) + 1.0
+        )
+
+
+def whole_batch(loss):
+    """A sigmoid model on BINARY, compiled with `loss` and the scalar `rmse` metric."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="sigmoid"),
+        ]
+    )
+    losses = {
+        "dice": keras.losses.Dice(),
+        "tversky": keras.losses.Tversky(alpha=0.3, beta=0.7),
+        "scalar_function": mean_squared_scalar,
+        "reducing_subclass": ReducingLoss(),
+    }
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=losses[loss],
+        metrics=[rmse, "binary_accuracy"],
+        weighted_metrics=["mse"],  # rmse here: Keras broadcasts its one number to the weights
+    )
+    return model
+
+
+WHOLE_BATCH_LOSSES = ("dice", "tversky", "scalar_function", "reducing_subclass")

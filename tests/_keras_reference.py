@@ -3,6 +3,8 @@
     python _keras_reference.py OUT.json                  every reference test_keras compares with
     python _keras_reference.py OUT.json --with-mirrored  `import mirrored, mirrored.keras` first,
                                                          then only the "outside" results
+    python _keras_reference.py OUT.json --whole-batch    only losses and metrics of the whole
+                                                         batch (test_whole_batch)
 
 mirrored.keras patches Keras process-wide (losses, BatchNormalization, optimizers, the
 recurrent loop, the trainer), so a reference computed in the test's own process shares those
@@ -131,6 +133,18 @@ def outside():
     return out
 
 
+def whole_batch():
+    """Losses and metrics of the whole batch: fit (sample weights, a ragged last batch of 13),
+    then evaluate."""
+    out = {}
+    for loss in m.WHOLE_BATCH_LOSSES:
+        model = m.whole_batch(loss)
+        fit = fitted(model, m.X, m.BINARY, sample_weight=m.SAMPLE_WEIGHTS)
+        fit["evaluate"] = model.evaluate(m.X, m.BINARY, **EVALUATE, return_dict=True)
+        out[loss] = fit
+    return out
+
+
 def references():
     return {
         "fit": fit_evaluate_predict(),
@@ -149,7 +163,12 @@ def references():
 
 
 def main():
-    results = {"outside": outside()} if WITH_MIRRORED else references()
+    if "--whole-batch" in sys.argv[2:]:
+        results = {"whole_batch": whole_batch()}
+    elif WITH_MIRRORED:
+        results = {"outside": outside()}
+    else:
+        results = references()
     results["mirrored_imported"] = "mirrored" in sys.modules
     results["patched"] = "mirrored.keras" in sys.modules
     if WITH_MIRRORED:

@@ -7,7 +7,6 @@ would share any bug of the patches."""
 
 import importlib.util
 import itertools
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ import pytest
 
 import mirrored
 import mirrored.keras
+from _helpers import keras_reference as _keras_reference
 from _helpers import subprocess_env
 from _keras_models import (
     BATCHES,
@@ -44,20 +44,6 @@ from mirrored.keras import _fit
 assert keras.backend.backend() == "jax"
 
 HERE = Path(__file__).resolve().parent
-
-
-def _keras_reference(out, *options):
-    """Run _keras_reference.py (plain Keras, with mirrored only if asked); its JSON results."""
-    env = {**subprocess_env(), "KERAS_BACKEND": "jax"}
-    # With mirrored: the one this process tests, wherever the subprocess starts.
-    tested = str(Path(mirrored.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([tested, *filter(None, [env.get("PYTHONPATH")])])
-    command = ["timeout", "-k", "10", "300", sys.executable, str(HERE / "_keras_reference.py")]
-    result = subprocess.run(
-        [*command, str(out), *options], capture_output=True, text=True, cwd=HERE, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(Path(out).read_text())
 
 
 @pytest.fixture(scope="module")

@@ -163,8 +163,12 @@ class ReplicaContext:
         example_mask: Any = None,
         example_count: Any = None,
         batch_is_split: bool = False,
+        real_rows: tuple[int, ...] | None = None,
     ) -> None:
         self._strategy = strategy
+        # The global batch's real-row counts the program is compiled for (a padded batch
+        # whose step evaluates a function of the whole batch: `global_rows`), else None.
+        self.real_rows = real_rows
         self._in_spmd = in_spmd
         self._example_mask = example_mask
         self._example_count = example_count

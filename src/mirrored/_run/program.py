@@ -85,11 +85,14 @@ def compile_step(
     inputs: tuple[list[Any], list[Any]] | None = None,
     *,
     eager: bool = False,
+    real_rows: tuple[int, ...] | None = None,
 ) -> Any:
     """The program for one signature; `steps`: `run_steps`' K steps in one program, on
     `inputs` (the stacked split and replicated inputs) instead of `sorted_`'s. `eager`:
     instead, a function that runs the step once on its inputs, without compiling, and
-    returns a `Program` that hands out what it computed."""
+    returns a `Program` that hands out what it computed. `real_rows`: the global batch's
+    real-row counts of a padded batch, for a step that evaluates a function of the whole
+    batch (`global_rows`; it raises `RealRowsNeeded` without them)."""
     unique = sorted_.unique
     captured = _capture.find_captured(fn, target.placement.is_mirrored)
     if captured:
@@ -139,6 +142,7 @@ def compile_step(
             example_mask=mask,
             example_count=count,
             batch_is_split=_SPLIT in kinds,
+            real_rows=real_rows,
         )
         ctx.warnings = warn  # trace-time warnings: on the first of the two traces only
         token = _context.enter_replica(ctx)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mirrored._core import hooks
 from mirrored._core import settings as config
+from mirrored._core.global_rows import RealRowsNeeded
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.values import PerReplica
 from mirrored._nnx import batch_norm
@@ -51,6 +52,11 @@ def _write(variable: nnx.Variable[Any], value: jax.Array) -> None:
     object.__setattr__(variable, "_raw_value", value)
 
 
+def _counts(count: Any) -> tuple[int, ...]:
+    """The distinct values of a padded batch's real-row count (K of them for `run_steps`)."""
+    return tuple(sorted({int(c) for c in np.asarray(count).reshape(-1)}))
+
+
 class Runner:
     """Compiles and calls `fn` once per replica, for one strategy."""
 
@@ -66,6 +72,9 @@ class Runner:
         self._sort = functools.partial(sort_leaves, self.placement)
         self._programs: dict[Any, Program] = {}
         self._guards: dict[Any, _fastpath.Guard | None] = {}
+        # Step functions that evaluate a function of the whole batch (`global_rows`): their
+        # programs are compiled per real-row count of a padded batch, without a fast path.
+        self._global_rows: set[Any] = set()
         # What an extension keeps per runner (Keras: its bound steps), by extension name.
         self.extension_state: dict[str, Any] = {}
         # One replica has no collective to deadlock: the host runs ahead as in plain JAX (PJRT's
@@ -111,8 +120,10 @@ class Runner:
                     state = dispatch.own_buffers(state, self.donate)
                 return self._call(guard.program, guard, state, split, rep)
         program, sorted_ = self._program_for(fn, args, kwargs)
-        guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
-        self._guards[fn_key] = guard
+        guard = None
+        if fn_key not in self._global_rows:  # else each batch's real rows choose the program
+            guard = _fastpath.Guard.build(args, kwargs, program, sorted_.unique, self._sort)
+            self._guards[fn_key] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
         return self._call(
@@ -145,13 +156,28 @@ class Runner:
             batch_norm.synchronizing(),
             numerics.check_numerics_enabled(),
         )
-        program = self._programs.get(key)
+        # A step that evaluates a function of the whole batch: a program per real-row count.
+        real_rows = self._real_rows(key[0], masked, sorted_.count)
+        program = self._programs.get((*key, real_rows))
         if program is None:
-            program = compile_step(
-                self, fn, args, kwargs, leaves, treedef, signature, sorted_, masked
-            )
-            self._programs[key] = program
+            compiling = (self, fn, args, kwargs, leaves, treedef, signature, sorted_, masked)
+            try:
+                program = compile_step(*compiling, real_rows=real_rows)
+            except RealRowsNeeded:
+                self._global_rows.add(key[0])
+                self._guards.pop(key[0], None)
+                real_rows = self._real_rows(key[0], masked, sorted_.count)
+                program = compile_step(*compiling, real_rows=real_rows)
+            self._programs[(*key, real_rows)] = program
         return program, sorted_
+
+    def _real_rows(self, fn_key: Any, masked: bool, count: Any) -> tuple[int, ...] | None:
+        """The distinct real-row counts of a padded batch (one, or `run_steps`' K steps'),
+        for a step that evaluates a function of the whole batch (`global_rows`); else None.
+        Read on the host: the counts were placed from there, so this waits for no step."""
+        if not masked or fn_key not in self._global_rows:
+            return None
+        return _counts(count)
 
     def call_steps(
         self,
@@ -171,17 +197,22 @@ class Runner:
         statics = tuple((type(x), x) for x in sorted_.statics)
         checking = numerics.check_numerics_enabled()
         key = ("steps", len(batches), _fn_key(fn), steps.treedef, signature, statics, masked)
-        program = self._programs.get((*key, checking))
+        real_rows = self._real_rows(key[2], masked, rep[-1] if masked else None)
+        program = self._programs.get((*key, real_rows, checking))
         if program is None:
             if len(sorted_.unique) != signature.count(_VARIABLE):
                 raise ValueError(
                     "strategy.run_steps expected each variable once among the arguments; "
                     "found one reachable twice (tied weights). Fix: call strategy.run per step."
                 )
-            program = compile_step(
-                self, *compiling, signature, sorted_, masked, len(batches), steps.inputs
-            )
-            self._programs[(*key, checking)] = program
+            compile_args = (self, *compiling, signature, sorted_, masked, len(batches))
+            try:
+                program = compile_step(*compile_args, steps.inputs, real_rows=real_rows)
+            except RealRowsNeeded:  # a function of the whole batch: compile for its rows
+                self._global_rows.add(key[2])
+                real_rows = self._real_rows(key[2], masked, rep[-1])
+                program = compile_step(*compile_args, steps.inputs, real_rows=real_rows)
+            self._programs[(*key, real_rows, checking)] = program
         guard = _fastpath.Guard.unguarded(program, sorted_.unique)
         return self._call(
             program, guard, dispatch.own_buffers(sorted_.state, self.donate), split, rep
@@ -247,6 +278,11 @@ class Runner:
         config.warn_eager_once()
         masked = sorted_.mask is not None
         kinds = "".join(sorted_.kinds)
+        split, rep = sorted_.with_mask() if inputs is None else inputs
+        # Op by op the counts are at hand: a function of the whole batch never waits for them.
+        real_rows = None
+        if masked:
+            real_rows = _counts(rep[-1])
         run = compile_step(
             self,
             fn,
@@ -260,8 +296,8 @@ class Runner:
             steps,
             inputs,
             eager=True,
+            real_rows=real_rows,
         )
-        split, rep = sorted_.with_mask() if inputs is None else inputs
         state = sorted_.state
         if numerics.check_numerics_enabled():
             state = [*state, self.latch()]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mirrored._core import context as _context
+from mirrored._core.global_rows import first_replica, is_per_example, on_global_rows
 from mirrored._core.values import PerReplica
 from mirrored._optim.mixed_precision import LossScaleOptimizer
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
@@ -37,23 +38,31 @@ def _make_steps(
         for metric, weighted in zip(stateful, stateful_weighted, strict=True):
             metric.update_state(y, y_pred, sample_weight=w if weighted else None)
 
-    def accumulate(totals: Any, per_example: Any, y: Any, y_pred: Any, w: Any) -> Any:
+    def accumulate(totals: Any, loss: Any, y: Any, y_pred: Any, w: Any) -> Any:
         # Each replica keeps its own running sums (loss, metrics..., weighted metrics...,
-        # count, weight sum), like TensorFlow's SYNC_ON_READ variables: no collective per step;
-        # they are summed when read. As in Keras, the loss is weighted by sample_weight and
-        # divided by the example count; `metrics` ignore the weights and `weighted_metrics`
-        # divide by the weights' sum.
+        # count, weight sum, then each metric's denominator), like TensorFlow's SYNC_ON_READ
+        # variables: no collective per step; they are summed when read. As in Keras, the loss
+        # is weighted by sample_weight and divided by the example count; `metrics` ignore the
+        # weights and `weighted_metrics` divide by the weights' sum. `loss`: the per-example
+        # losses, or one number for the global batch (`_loss_terms`).
         ctx = _context.current_replica_context()
         assert ctx is not None
-        ones = per_example * 0 + 1  # replica-local, like the examples themselves
+        # Replica-local, like the examples themselves: derived from a per-example value.
+        rows = loss if jnp.ndim(loss) else y_pred.reshape(y_pred.shape[0], -1)[:, 0]
+        ones = rows * 0 + 1
         real = ones if ctx.example_mask is None else ones * ctx.example_mask
         real = real.astype(jnp.float32)
         weight = real if w is None else weighted_losses(real, w)
-        loss = per_example.astype(jnp.float32)
-        local = [jnp.sum(loss * weight)]
-        local += [jnp.sum(_values(m, y, y_pred) * real) for m in metrics]
-        local += [jnp.sum(_values(m, y, y_pred) * weight) for m in weighted_metrics]
-        return totals + jnp.stack([*local, jnp.sum(real), jnp.sum(weight)])
+        if jnp.ndim(loss) == 0:  # the global batch's loss, counted once per real example
+            local = [loss * jnp.sum(real)]
+        else:
+            local = [jnp.sum(loss.astype(jnp.float32) * weight)]
+        terms = [_metric_terms(m, y, y_pred, real, None) for m in metrics]
+        terms += [_metric_terms(m, y, y_pred, real, weight) for m in weighted_metrics]
+        local += [total for total, _ in terms]
+        local += [jnp.sum(real), jnp.sum(weight)]
+        local += [denominator for _, denominator in terms]
+        return totals + jnp.stack(local)
 
     def train_step(
         model: Any,
@@ -70,8 +79,8 @@ def _make_steps(
         def loss_of(model: Any, rngs: Any) -> Any:
             # Losses in float32 whatever the compute dtype; call-time randomness if given.
             y_pred = _float32(model(x) if rngs is None else model(x, rngs=rngs))
-            per_example = _objectives.per_example(loss_fn(y, y_pred))
-            return compute_average_loss(per_example, sample_weight=w), (y_pred, per_example)
+            share, loss = _loss_terms(loss_fn, y, y_pred, w)
+            return share, (y_pred, loss)
 
         scaled = isinstance(optimizer, LossScaleOptimizer)
         if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
@@ -94,7 +103,7 @@ def _make_steps(
     def eval_step(model: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None) -> Any:
         y_pred = _float32(model(x))
         update_stateful(stateful, y, y_pred, w)
-        return accumulate(totals, _objectives.per_example(loss_fn(y, y_pred)), y, y_pred, w)
+        return accumulate(totals, _loss_terms(loss_fn, y, y_pred, w)[1], y, y_pred, w)
 
     def predict_step(model: Any, x: Any) -> Any:
         return model(x)
@@ -150,8 +159,47 @@ def _add_steps(totals: Any, additions: Any) -> Any:
     return totals + jnp.sum(additions, axis=1)
 
 
-def _values(metric: _objectives.Metric, y: Any, y_pred: Any) -> Any:
-    return _objectives.per_example(metric.values(y, y_pred)).astype(jnp.float32)
+def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
+    """(this replica's share of the batch's loss, the loss for the running sums): per-example
+    losses averaged over the global batch's real rows; a loss that gives one number for the
+    batch (Dice, a function that takes the mean itself) evaluated once on the global batch,
+    times the mean sample weight (Keras broadcasts such a number to the weights)."""
+    values = loss_fn(y, y_pred)
+    if is_per_example(values, y_pred.shape[0]):
+        per_example = _objectives.per_example(values)
+        return compute_average_loss(per_example, sample_weight=w), per_example
+
+    def whole(y: Any, y_pred: Any, w: Any) -> Any:
+        value = jnp.mean(jnp.asarray(loss_fn(y, y_pred), jnp.float32))
+        return value if w is None else value * jnp.mean(jnp.asarray(w, jnp.float32))
+
+    value = on_global_rows(whole, y, y_pred, w)
+    ctx = _context.current_replica_context()
+    if ctx is None or not ctx.in_spmd:
+        return value, value
+    ctx.mark_replica_aware()
+    return value / ctx.num_replicas_in_sync, value
+
+
+def _metric_terms(
+    metric: _objectives.Metric, y: Any, y_pred: Any, real: Any, weight: Any
+) -> tuple[Any, Any]:
+    """A metric's additions to its running sum and its denominator on this replica: per
+    example, the (weighted) sum over the real rows and their count (weight); a metric that
+    gives one number for the batch (`rmse`), that number on the global batch once (Keras'
+    mean over batches), or weighted by the batch's sample weights."""
+    values = metric.values(y, y_pred)
+    if is_per_example(values, y_pred.shape[0]):
+        values = _objectives.per_example(values).astype(jnp.float32)
+        weight = real if weight is None else weight
+        return jnp.sum(values * weight), jnp.sum(weight)
+    value = on_global_rows(
+        lambda y, p: jnp.mean(jnp.asarray(metric.values(y, p), jnp.float32)), y, y_pred
+    )
+    if weight is None:
+        once = jnp.asarray(first_replica(), jnp.float32)
+        return value * once, once
+    return value * jnp.sum(weight), jnp.sum(weight)
 
 
 def _float32(tree: Any) -> Any:

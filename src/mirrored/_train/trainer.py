@@ -171,8 +171,8 @@ class Trainer(FitLoop, Evaluation):
         self._train_step, self._eval_step, self._predict_step = _make_steps(
             self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
         )
-        self._train_additions = _additions(self._train_step, len(names) + 2)
-        self._eval_additions = _eval_additions(self._eval_step, len(names) + 2)
+        self._train_additions = _additions(self._train_step, self._width)
+        self._eval_additions = _eval_additions(self._eval_step, self._width)
         self._train_totals = self._zeros()
         self.stop_training = False
         self._epoch = 0
@@ -279,9 +279,15 @@ class Trainer(FitLoop, Evaluation):
             )
         return self.strategy.experimental_distribute_dataset(x, batch_size=batch_size)
 
+    @property
+    def _width(self) -> int:
+        """The running sums: the loss and each metric, the example count and weight sum, then
+        each metric's denominator."""
+        return 2 * len(self._names) + 1
+
     def _zeros(self, first: np.ndarray | None = None) -> Any:
         """Per-replica running sums, all zero (or `first` on replica 0)."""
-        size = len(self._names) + 2  # + example count, weight sum
+        size = self._width
 
         def row(ctx: Any) -> np.ndarray:
             if first is not None and ctx.replica_id_in_sync_group == 0:
@@ -298,11 +304,12 @@ class Trainer(FitLoop, Evaluation):
 
     def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
         self.strategy._check_pending()  # check_numerics: the steps behind these sums
-        *sums, count, weight = self._sums(totals)
-        weighted_from = 1 + len(self.metrics)
+        sums = self._sums(totals)
+        names = len(self._names)
+        count, denominators = sums[names], sums[names + 2 :]
         logs = {
-            prefix + name: _ratio(value, weight if i >= weighted_from else count)
-            for i, (name, value) in enumerate(zip(self._names, sums, strict=True))
+            prefix + name: _ratio(value, count if i == 0 else denominators[i - 1])
+            for i, (name, value) in enumerate(zip(self._names, sums[:names], strict=True))
         }
         for name, metric in zip(self._stateful_names, self._stateful, strict=True):
             logs[prefix + name] = float(np.asarray(to_host(metric.result())).reshape(-1)[0])

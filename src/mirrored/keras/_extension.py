@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mirrored.keras import _bind, _patches, _verify
+from mirrored.keras import _bind, _metrics, _patches, _verify
 
 
 class KerasExtension:
@@ -26,7 +26,7 @@ class KerasExtension:
     def masked_trace_patches(
         self,
     ) -> Sequence[Callable[[], contextlib.AbstractContextManager[None]]]:
-        return (_patches.masked_keras_metrics,)
+        return (_metrics.masked_keras_metrics,)
 
     def prepare_restore(self, model: Any, optimizer: Any) -> None:
         # A Keras optimizer creates its slots on first use: create them now (mirrored on the

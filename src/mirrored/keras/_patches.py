@@ -25,26 +25,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import keras
 from keras.src import backend, ops, tree
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.losses import loss as loss_module
 
 from mirrored._core import context as _context
-from mirrored._core import patching
+from mirrored._core.global_rows import is_per_example, on_global_rows, split_context
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._nnx import batch_norm
 
 # The strategy each model is tied to (created or compiled in its scope).
 _STRATEGY_OF: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def split_context() -> _context.ReplicaContext | None:
-    """The replica context while `strategy.run` traces a step on a split batch, else None."""
-    ctx = _context.current_replica_context()
-    if ctx is None or not ctx.in_spmd or not ctx.batch_is_split:
-        return None
-    return ctx
 
 
 # -- variables ----------------------------------------------------------------------------------
@@ -76,9 +67,19 @@ def _loss_call(original: Callable[..., Any]) -> Callable[..., Any]:
         if ctx is None or self.reduction not in (*_MEAN_REDUCTIONS, "sum"):
             return original(self, y_true, y_pred, sample_weight)
         scale = ctx.num_replicas_in_sync if _WHOLE.get() else 1
-        return _replica_loss(self, ctx, y_true, y_pred, sample_weight, scale=scale)
+        whole = functools.partial(_whole_batch_loss, original, self)
+        return _replica_loss(self, ctx, y_true, y_pred, sample_weight, whole, scale=scale)
 
     return __call__
+
+
+def _whole_batch_loss(
+    original: Callable[..., Any], loss: Any, y_true: Any, y_pred: Any, sw: Any, mask: Any
+) -> Any:
+    """Keras' own loss call on the global batch's rows (its Keras mask put back on)."""
+    if mask is not None:
+        backend.set_keras_mask(y_pred, mask)
+    return original(loss, y_true, y_pred, sw)
 
 
 @contextlib.contextmanager
@@ -110,22 +111,31 @@ def whole_loss(model: Any, ctx: _context.ReplicaContext) -> Iterator[None]:
 
 
 def _replica_loss(
-    loss: Any, ctx: Any, y_true: Any, y_pred: Any, sample_weight: Any, *, scale: int = 1
+    loss: Any,
+    ctx: Any,
+    y_true: Any,
+    y_pred: Any,
+    sample_weight: Any,
+    whole: Callable[..., Any],
+    *,
+    scale: int = 1,
 ) -> Any:
     """This replica's share of the loss over the global batch: summed over replicas (as the
     gradients of mirrored weights are), it is the loss of the whole batch on one device
-    (`scale` times the share inside `whole_loss`)."""
+    (`scale` times the share inside `whole_loss`). A loss that is not a mean of per-example
+    terms (Dice, a `call` that reduces) is `whole(y_true, y_pred, sample_weight, mask)` on
+    the global batch's real rows, divided among the replicas."""
     in_mask = backend.get_keras_mask(y_pred)
     with ops.name_scope(loss.name):
         y_pred = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_pred)
         y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true)
         values = ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
     out_mask = backend.get_keras_mask(values)
-    if values.ndim == 0:  # already reduced by the loss itself: nothing to split
-        return loss_module.reduce_weighted_values(
-            values, sample_weight, None, loss.reduction, loss.dtype
-        )
     ctx.mark_replica_aware()
+    rows = tree.flatten(y_pred)[0].shape[0] if tree.flatten(y_pred) else None
+    if not is_per_example(values, rows):  # one number for the batch: of the global batch
+        value = on_global_rows(whole, y_true, y_pred, sample_weight, in_mask)
+        return value * (scale / ctx.num_replicas_in_sync)
     masks = [m for m in (in_mask, out_mask) if m is not None]
     element_mask = None
     if masks:
@@ -251,38 +261,6 @@ class _ActivityRegularizer:
         layer.__dict__["activity_regularizer"] = value
 
 
-# -- metrics ------------------------------------------------------------------------------------
-
-
-def _sample_weight_position(cls: type) -> int | None:
-    """The positional index of `sample_weight` in `cls.update_state` (None: it has none)."""
-    try:
-        parameters = list(inspect.signature(cls.__dict__["update_state"]).parameters)
-    except (TypeError, ValueError):
-        return None
-    return parameters.index("sample_weight") - 1 if "sample_weight" in parameters else None
-
-
-def _masked_update_state(original: Callable[..., Any], position: int) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def update_state(self: Any, *args: Any, **kwargs: Any) -> Any:
-        rows = _context.row_mask(args[0]) if args else None
-        if rows is None:
-            return original(self, *args, **kwargs)
-        listed = list(args)
-        weight = (
-            listed.pop(position) if len(listed) > position else kwargs.pop("sample_weight", None)
-        )
-        mask = ops.cast(rows, "float32")
-        if weight is not None:
-            weight = ops.convert_to_tensor(weight)
-            mask, weight = loss_module.squeeze_or_expand_to_same_rank(mask, weight)
-            mask = ops.cast(mask, weight.dtype) * weight
-        return original(self, *listed, sample_weight=mask, **kwargs)
-
-    return update_state
-
-
 def _defining(base: type, name: str) -> Iterator[type]:
     """`base` and its loaded subclasses that define `name` themselves."""
     seen: set[type] = set()
@@ -295,28 +273,6 @@ def _defining(base: type, name: str) -> Iterator[type]:
         stack.extend(cls.__subclasses__())
         if name in cls.__dict__:
             yield cls
-
-
-_UPDATE_STATE = patching.target(
-    "keras.metrics.Metric",
-    "update_state",
-    reason="(on every metric class in a padded batch's step) padded rows weigh 0",
-    checked="keras 3.15",
-)
-
-
-@contextlib.contextmanager
-def masked_keras_metrics() -> Iterator[None]:
-    """While a padded batch's step is traced: every Keras metric weighs padded rows by 0."""
-    with contextlib.ExitStack() as stack:
-        for cls in list(_defining(keras.metrics.Metric, "update_state")):
-            position = _sample_weight_position(cls)
-            if position is None:
-                continue
-            original = cls.__dict__["update_state"]
-            replacement = _masked_update_state(original, position)
-            stack.enter_context(patching.temporarily(_UPDATE_STATE, replacement, owner=cls))
-        yield
 
 
 # -- BatchNormalization -------------------------------------------------------------------------

@@ -1,0 +1,157 @@
+"""Losses and metrics of the whole batch (issue 33, item 1): Dice, Tversky, a loss function or
+`Loss.call` that reduces the batch itself, the classic scalar `rmse` metric. None is a mean of
+per-example terms, so no combination of the replicas' values gives one device's number; each is
+evaluated once on the global batch's real rows. Compared with plain Keras on one device
+(_keras_reference.py, a process without mirrored): fit with sample weights and a ragged last
+batch (13 rows of 64), then evaluate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mirrored
+import mirrored.keras
+from _helpers import keras_reference
+from _keras_models import BINARY, SAMPLE_WEIGHTS, WHOLE_BATCH_LOSSES, X, whole_batch
+from mirrored._core.global_rows import on_global_rows
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    results = keras_reference(tmp_path_factory.mktemp("keras") / "whole.json", "--whole-batch")
+    assert not results["mirrored_imported"]
+    return results["whole_batch"]
+
+
+def _fit(loss, devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = whole_batch(loss)
+    options = {"batch_size": 64, "shuffle": False, "verbose": 0}
+    history = model.fit(X, BINARY, sample_weight=SAMPLE_WEIGHTS, epochs=2, **options).history
+    evaluation = model.evaluate(X, BINARY, batch_size=64, verbose=0, return_dict=True)
+    return model, history, evaluation
+
+
+def _check(model, history, evaluation, expected):
+    weights = model.get_weights()
+    for ours, theirs in zip(weights, expected["weights"], strict=True):
+        np.testing.assert_allclose(ours, np.asarray(theirs), atol=2e-5)
+    for name, values in expected["history"].items():
+        assert history[name] == pytest.approx(values, abs=2e-5), name
+    for name, value in expected["evaluate"].items():
+        assert evaluation[name] == pytest.approx(value, abs=2e-5), name
+
+
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_dice_loss_and_a_scalar_metric_equal_one_device(plain, devices, replicas):
+    """Before: 0.6338 vs 0.6204 on full batches (the replicas' Dice averaged); `rmse` crashed."""
+    _check(*_fit("dice", devices[:replicas]), plain["dice"])
+
+
+@pytest.mark.parametrize("loss", [name for name in WHOLE_BATCH_LOSSES if name != "dice"])
+def test_losses_that_reduce_the_batch_themselves_equal_one_device(plain, devices, loss):
+    _check(*_fit(loss, devices), plain[loss])
+
+
+def test_on_global_rows_sees_the_real_rows_of_every_batch_in_order(devices):
+    """Full and ragged batches, `run` and `run_steps`, the value and its gradient."""
+    strategy = mirrored.MirroredStrategy(devices)
+    x = np.random.default_rng(0).normal(size=(27, 3)).astype("float32")
+
+    def dice_like(rows):
+        return jnp.sum(rows[:, 0] * jnp.arange(rows.shape[0])) / (jnp.sum(rows**2) + 1.0)
+
+    def step(batch):
+        return on_global_rows(dice_like, batch)
+
+    expected = [dice_like(x[:16]), dice_like(x[16:])]
+    dataset = strategy.experimental_distribute_dataset(x, batch_size=16)
+    for batch, value in zip(dataset, expected, strict=True):
+        results = strategy.experimental_local_results(strategy.run(step, args=(batch,)))
+        assert all(float(r) == pytest.approx(float(value), rel=1e-6) for r in results)
+    stacked = strategy.run_steps(step, iter(dataset), steps=2)  # both counts, one program
+    for replica in strategy.experimental_local_results(stacked):
+        assert np.asarray(replica) == pytest.approx(np.asarray(expected), rel=1e-6)
+
+    w = jnp.asarray([0.5, -1.0, 2.0])
+
+    def loss_share(w, batch):
+        value = on_global_rows(lambda rows: dice_like(rows * w), batch)
+        return value / strategy.num_replicas_in_sync
+
+    def grad_step(batch):
+        return jax.grad(loss_share)(w, batch)
+
+    for batch, rows in zip(dataset, (x[:16], x[16:]), strict=True):
+        ours = strategy.run(grad_step, args=(batch,))
+        theirs = jax.grad(lambda w, rows=rows: dice_like(rows * w))(w)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5)
+
+
+# -- the Trainer: loss= and metrics= callables of the whole batch ------------------------------
+
+
+def _dice(y_true, y_pred):
+    p = jax.nn.sigmoid(y_pred)
+    return 1.0 - 2.0 * jnp.sum(y_true * p) / (jnp.sum(y_true) + jnp.sum(p) + 1e-6)
+
+
+def _rmse(y_true, y_pred):
+    return jnp.sqrt(jnp.mean((y_true - y_pred) ** 2))
+
+
+def _plain_dice_run(x, y, w, w0, b0, batch, epochs):
+    """Plain JAX, one device: SGD on Dice × the batch's mean weight, Keras' order; the epoch
+    logs as Keras keeps them (the loss weighted by rows, rmse a mean over batches)."""
+
+    def loss(params, xb, yb, wb):
+        return _dice(yb, xb @ params[0] + params[1]) * jnp.mean(wb)
+
+    params, logs = (w0, b0), []
+    for _ in range(epochs):
+        losses, rows, rmses = 0.0, 0, []
+        for i in range(0, len(x), batch):
+            xb, yb, wb = x[i : i + batch], y[i : i + batch], w[i : i + batch]
+            value, grads = jax.value_and_grad(loss)(params, xb, yb, wb)
+            rmses.append(float(_rmse(yb, xb @ params[0] + params[1])))
+            params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+            losses, rows = losses + float(value) * len(xb), rows + len(xb)
+        logs.append({"loss": losses / rows, "rmse": float(np.mean(rmses))})
+    return params, logs
+
+
+@pytest.mark.parametrize(("replicas", "steps_per_execution"), [(8, 1), (2, 1), (1, 1), (8, 3)])
+def test_trainer_loss_and_metric_of_the_whole_batch_equal_plain_jax(
+    devices, replicas, steps_per_execution
+):
+    """A `loss=` callable that returns one number (before: each replica's Dice, averaged) and a
+    scalar `metrics=` function (before: a broadcasting crash); 44 rows at batch 16 end ragged."""
+    from flax import nnx
+    import optax
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(44, 5)).astype(np.float32)
+    y = (rng.random(size=(44, 2)) < 0.4).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, size=44).astype(np.float32)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = nnx.Linear(5, 2, rngs=nnx.Rngs(0))
+        w0, b0 = np.asarray(model.kernel[...]), np.asarray(model.bias[...])
+        trainer = mirrored.Trainer(
+            model,
+            optax.sgd(0.5),
+            loss=_dice,
+            metrics=[_rmse],
+            steps_per_execution=steps_per_execution,
+        )
+    history = trainer.fit(
+        x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0
+    ).history
+    params, logs = _plain_dice_run(x, y, w, w0, b0, batch=16, epochs=2)
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), params[0], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(model.bias[...]), params[1], rtol=2e-5, atol=2e-6)
+    for epoch, expected in enumerate(logs):
+        assert history["loss"][epoch] == pytest.approx(expected["loss"], rel=2e-5)
+        assert history["_rmse"][epoch] == pytest.approx(expected["rmse"], rel=2e-5)
