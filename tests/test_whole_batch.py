@@ -8,7 +8,9 @@ batch (13 rows of 64), then evaluate."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import mirrored
 import mirrored.keras
@@ -128,9 +130,6 @@ def test_trainer_loss_and_metric_of_the_whole_batch_equal_plain_jax(
 ):
     """A `loss=` callable that returns one number (before: each replica's Dice, averaged) and a
     scalar `metrics=` function (before: a broadcasting crash); 44 rows at batch 16 end ragged."""
-    from flax import nnx
-    import optax
-
     rng = np.random.default_rng(4)
     x = rng.normal(size=(44, 5)).astype(np.float32)
     y = (rng.random(size=(44, 2)) < 0.4).astype(np.float32)
