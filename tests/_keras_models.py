@@ -199,3 +199,27 @@ def whole_batch(loss):
 
 
 WHOLE_BATCH_LOSSES = ("dice", "tversky", "scalar_function", "reducing_subclass")
+
+
+# -- per-token sample weights and Keras masks -----------------------------------------------
+
+TOKEN_WEIGHTS = RNG.uniform(0.2, 2.0, size=TOKENS.shape).astype("float32")
+
+
+def per_token():
+    """Embedded tokens (`mask_zero=True`) to a per-token 3-way classifier, with metrics and
+    weighted metrics: the Keras mask and `(n, T)` weights reach both."""
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((7,), dtype="int32")
+    embedded = keras.layers.Embedding(50, 8, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(3)(embedded))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        weighted_metrics=["accuracy", "sparse_categorical_crossentropy"],
+    )
+    return model
+
+
+PER_TOKEN_BATCHES = (32, 40)  # 4 and 5 rows per replica at 8 replicas

@@ -3,8 +3,8 @@
     python _keras_reference.py OUT.json                  every reference test_keras compares with
     python _keras_reference.py OUT.json --with-mirrored  `import mirrored, mirrored.keras` first,
                                                          then only the "outside" results
-    python _keras_reference.py OUT.json --whole-batch    only losses and metrics of the whole
-                                                         batch (test_whole_batch)
+    python _keras_reference.py OUT.json --objectives     only the losses and metrics of
+                                                         test_objectives (whole batch, per token)
 
 mirrored.keras patches Keras process-wide (losses, BatchNormalization, optimizers, the
 recurrent loop, the trainer), so a reference computed in the test's own process shares those
@@ -145,6 +145,24 @@ def whole_batch():
     return out
 
 
+def per_token():
+    """Per-token weights `(n, T)` and a Keras mask: fit, then evaluate with and without the
+    weights, at each batch size of PER_TOKEN_BATCHES."""
+    out = {}
+    labels = m.TOKENS % 3
+    for batch in m.PER_TOKEN_BATCHES:
+        model = m.per_token()
+        options = {"batch_size": batch, "verbose": 0}
+        out[str(batch)] = {
+            "evaluate": model.evaluate(m.TOKENS, labels, **options, return_dict=True),
+            **fitted(model, m.TOKENS, labels, sample_weight=m.TOKEN_WEIGHTS, batch_size=batch),
+            "weighted": model.evaluate(
+                m.TOKENS, labels, sample_weight=m.TOKEN_WEIGHTS, **options, return_dict=True
+            ),
+        }
+    return out
+
+
 def references():
     return {
         "fit": fit_evaluate_predict(),
@@ -163,8 +181,8 @@ def references():
 
 
 def main():
-    if "--whole-batch" in sys.argv[2:]:
-        results = {"whole_batch": whole_batch()}
+    if "--objectives" in sys.argv[2:]:
+        results = {"whole_batch": whole_batch(), "per_token": per_token()}
     elif WITH_MIRRORED:
         results = {"outside": outside()}
     else:

@@ -265,6 +265,26 @@ class _Step:
             slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
 
 
+def _reattach(step: _Step, state: Any) -> None:
+    """After a failed step: the state it was given back in the model's variables. Keras' loops
+    detach them (`_purge_model_variables`) and reattach them only when the epoch ends, so an
+    error in a step (a shape Keras' symbolic build let through, say) left a model whose every
+    variable read raised `'NoneType' object is not callable`."""
+    model = step.model
+    groups = [model.trainable_variables, model.non_trainable_variables]
+    if step.kind == "train":
+        groups.append(model.optimizer.variables)
+    if step.kind != "predict":
+        groups.append(model.metrics_variables)
+    for variables, values in zip(groups, state, strict=False):
+        for v, value in zip(variables, values, strict=False):
+            deleted = isinstance(value, jax.Array) and value.is_deleted()  # donated to the step
+            if v._value is None and not deleted:
+                v._value = value
+    model._jax_state = None
+    model._jax_state_synced = True
+
+
 def _track_loss(tracker: Any, share: Any, rows: Any, total_rows: Any) -> None:
     """Keras' loss tracker after this replica's rows: as on one device, `total` gains the batch
     mean loss times the batch's real rows and `count` the rows. A replica holds its share of
@@ -383,7 +403,11 @@ def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterat
                 current[1].close()
             placed = map(step.place, iterator)
             current[:] = [iterator, Prefetcher(placed, 2) if prefetch else placed]
-        return keras_step(state, current[1])
+        try:
+            return keras_step(state, current[1])
+        except BaseException:
+            _reattach(step, state)
+            raise
 
     function.mirrored = strategy  # type: ignore[attr-defined]
     return function

@@ -46,14 +46,31 @@ def _masked_update_state(original: Callable[..., Any], position: int) -> Callabl
             # One number per batch takes no weights (Keras cannot broadcast it to them); a
             # weight here is the padded-row mask an enclosing metric list passed down.
             return _update_once(original, self, listed, kwargs)
-        mask = ops.cast(rows, "float32")
-        if weight is not None:
-            weight = ops.convert_to_tensor(weight)
-            mask, weight = loss_module.squeeze_or_expand_to_same_rank(mask, weight)
-            mask = ops.cast(mask, weight.dtype) * weight
-        return original(self, *listed, sample_weight=mask, **kwargs)
+        return original(self, *listed, sample_weight=_row_weights(rows, weight, listed), **kwargs)
 
     return update_state
+
+
+def _row_weights(rows: Any, weight: Any, args: list[Any]) -> Any:
+    """The sample weights with padded rows at 0: the (rows,) mask on the weights' row axis,
+    whatever their rank (per-token weights `(n, T)`), or shaped to meet the predictions' Keras
+    mask (`Embedding(mask_zero=True)`: `(n, 1)` against a `(n, T)` mask)."""
+    mask = ops.cast(rows, "float32")
+    if weight is not None:
+        weight = ops.convert_to_tensor(weight)
+        if weight.ndim <= 1 or weight.shape[-1] == 1:  # (n,) or (n, 1): Keras' own pairing
+            mask, weight = loss_module.squeeze_or_expand_to_same_rank(mask, weight)
+            return ops.cast(mask, weight.dtype) * weight
+        return ops.reshape(ops.cast(mask, weight.dtype), _row_shape(mask, weight.ndim)) * weight
+    _, y_pred, _ = _true_pred(args, {})
+    keras_mask = None if y_pred is None else backend.get_keras_mask(y_pred)
+    if keras_mask is not None and keras_mask.ndim > 1:
+        return ops.reshape(mask, _row_shape(mask, keras_mask.ndim))
+    return mask
+
+
+def _row_shape(mask: Any, ndim: int) -> tuple[int, ...]:
+    return (mask.shape[0],) + (1,) * (ndim - 1)
 
 
 def _of_whole_batch(metric: Any, args: list[Any], kwargs: dict[str, Any], rows: int) -> bool:

@@ -1,12 +1,13 @@
-"""Losses and metrics of the whole batch (issue 33, item 1): Dice, Tversky, a loss function or
-`Loss.call` that reduces the batch itself, the classic scalar `rmse` metric. None is a mean of
-per-example terms, so no combination of the replicas' values gives one device's number; each is
-evaluated once on the global batch's real rows. Compared with plain Keras on one device
+"""Users' own losses and metrics (issue 33). Those of the whole batch (item 1): Dice, Tversky,
+a loss function or `Loss.call` that reduces the batch itself, the classic scalar `rmse` metric.
+None is a mean of per-example terms, so no combination of the replicas' values gives one
+device's number; each is evaluated once on the global batch's real rows. Compared with plain
 (_keras_reference.py, a process without mirrored): fit with sample weights and a ragged last
-batch (13 rows of 64), then evaluate."""
+batch (13 rows of 64), then evaluate. Per-token weights and Keras masks (item 2)."""
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 import optax
 import pytest
@@ -15,15 +16,25 @@ from flax import nnx
 import mirrored
 import mirrored.keras
 from _helpers import keras_reference
-from _keras_models import BINARY, SAMPLE_WEIGHTS, WHOLE_BATCH_LOSSES, X, whole_batch
+from _keras_models import (
+    BINARY,
+    PER_TOKEN_BATCHES,
+    SAMPLE_WEIGHTS,
+    TOKEN_WEIGHTS,
+    TOKENS,
+    WHOLE_BATCH_LOSSES,
+    X,
+    per_token,
+    whole_batch,
+)
 from mirrored._core.global_rows import on_global_rows
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    results = keras_reference(tmp_path_factory.mktemp("keras") / "whole.json", "--whole-batch")
+    results = keras_reference(tmp_path_factory.mktemp("keras") / "plain.json", "--objectives")
     assert not results["mirrored_imported"]
-    return results["whole_batch"]
+    return results
 
 
 def _fit(loss, devices):
@@ -49,12 +60,12 @@ def _check(model, history, evaluation, expected):
 @pytest.mark.parametrize("replicas", [8, 2, 1])
 def test_dice_loss_and_a_scalar_metric_equal_one_device(plain, devices, replicas):
     """Before: 0.6338 vs 0.6204 on full batches (the replicas' Dice averaged); `rmse` crashed."""
-    _check(*_fit("dice", devices[:replicas]), plain["dice"])
+    _check(*_fit("dice", devices[:replicas]), plain["whole_batch"]["dice"])
 
 
 @pytest.mark.parametrize("loss", [name for name in WHOLE_BATCH_LOSSES if name != "dice"])
 def test_losses_that_reduce_the_batch_themselves_equal_one_device(plain, devices, loss):
-    _check(*_fit(loss, devices), plain[loss])
+    _check(*_fit(loss, devices), plain["whole_batch"][loss])
 
 
 def test_on_global_rows_sees_the_real_rows_of_every_batch_in_order(devices):
@@ -154,3 +165,59 @@ def test_trainer_loss_and_metric_of_the_whole_batch_equal_plain_jax(
     for epoch, expected in enumerate(logs):
         assert history["loss"][epoch] == pytest.approx(expected["loss"], rel=2e-5)
         assert history["_rmse"][epoch] == pytest.approx(expected["rmse"], rel=2e-5)
+
+
+# -- per-token weights and Keras masks (item 2) --------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", PER_TOKEN_BATCHES)
+def test_per_token_weights_and_masks_equal_one_device(plain, devices, batch):
+    """`(n, T)` sample weights and an `Embedding(mask_zero=True)` mask in metrics, weighted
+    metrics and the loss; 525 rows end ragged. Before: the (rows,) padding mask multiplied the
+    token axis (weighted accuracy 0.41233 vs 0.40855 at 4 rows per replica), a broadcasting
+    crash at 5, and evaluate with "accuracy" crashed `(4,) vs (4, 7)`."""
+    expected = plain["per_token"][str(batch)]
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = per_token()
+    labels = TOKENS % 3
+    options = {"batch_size": batch, "verbose": 0}
+    evaluation = model.evaluate(TOKENS, labels, **options, return_dict=True)
+    history = model.fit(
+        TOKENS, labels, sample_weight=TOKEN_WEIGHTS, epochs=2, shuffle=False, **options
+    ).history
+    weighted = model.evaluate(
+        TOKENS, labels, sample_weight=TOKEN_WEIGHTS, **options, return_dict=True
+    )
+    for ours, theirs in zip(model.get_weights(), expected["weights"], strict=True):
+        np.testing.assert_allclose(ours, np.asarray(theirs), atol=2e-5)
+    for name, values in expected["history"].items():
+        assert history[name] == pytest.approx(values, abs=2e-5), name
+    for got, want in ((evaluation, expected["evaluate"]), (weighted, expected["weighted"])):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, abs=2e-5), name
+
+
+def test_a_step_that_fails_leaves_the_model_usable(devices):
+    """Keras' loops detach the variables for the epoch; an error inside mirrored's step (here
+    a metric that refuses the replica's 4 rows) left every variable reading as None, so the
+    model was broken after a failed evaluate. Now the step's inputs are put back."""
+
+    def picky(y_true, y_pred):
+        if y_pred.shape[0] == 4:  # a replica's share of 32 rows over 8 replicas
+            raise ValueError("picky: 4 rows")
+        return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = whole_batch("dice")
+    before = model.get_weights()
+    model.compile(optimizer="sgd", loss="mse", metrics=[picky])
+    for call in (model.evaluate, model.fit):
+        with pytest.raises(ValueError, match="picky"):
+            call(X[:64], BINARY[:64], batch_size=32, verbose=0)
+        for ours, theirs in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])  # metrics=None keeps picky
