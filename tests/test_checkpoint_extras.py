@@ -226,3 +226,56 @@ def test_latest_checkpoint_ignores_keras_style_per_epoch_directories(tmp_path):
     mirrored.save_checkpoint(tmp_path / "ckpt_0003", model, step=3)
     assert mirrored.latest_checkpoint(tmp_path) is None  # ckpt_0003 is a directory, not a step
     assert mirrored.latest_checkpoint(tmp_path / "ckpt_0003") == str(tmp_path / "ckpt_0003" / "3")
+
+
+# -- restores are all or nothing (issue 33, item 5) ---------------------------------------------
+
+
+class _TwoLayers(nnx.Module):
+    def __init__(self, classes, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.l2 = nnx.Linear(8, classes, rngs=rngs)
+
+
+def test_a_restore_into_another_architecture_changes_nothing(devices, tmp_path):
+    """A 7-class checkpoint into a 5-class model: the clear error came after `l1` was already
+    overwritten (a half-restored model)."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        saved, target = _TwoLayers(7, nnx.Rngs(0)), _TwoLayers(5, nnx.Rngs(1))
+    mirrored.save_checkpoint(tmp_path, saved)
+    before = jax.tree.map(np.asarray, nnx.state(target))
+    with pytest.raises(ValueError, match=r"l2.*shape.*Nothing was restored"):
+        mirrored.restore_checkpoint(tmp_path, target)
+    after = jax.tree.map(np.asarray, nnx.state(target))
+    assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
+
+
+def test_keras_models_without_variables_are_refused_with_the_fix(devices, tmp_path):
+    """A Sequential without an input shape (examples/keras_custom_loop.py's model) has no
+    variables until its first call: restoring into it returned the step and restored nothing
+    (outputs 3.2 off the saved model); saving it failed in Orbax ("Found empty item")."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    import mirrored.keras  # noqa: F401
+
+    strategy = mirrored.MirroredStrategy(devices)
+    x = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
+
+    def model():
+        return keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+
+    with strategy.scope():
+        built, lazy = model(), model()
+        built(x[:1])
+    mirrored.save_checkpoint(tmp_path / "built", built)
+    with pytest.raises(ValueError, match=r"(?s)has none yet.*Fix: build it first"):
+        mirrored.restore_checkpoint(tmp_path / "built", lazy)
+    with pytest.raises(ValueError, match=r"(?s)nothing to save.*model\(x\[:1\]\)"):
+        mirrored.save_checkpoint(tmp_path / "lazy", lazy)
+    assert not (tmp_path / "lazy").exists() or not any((tmp_path / "lazy").iterdir())
+    with strategy.scope():
+        lazy(x[:1])  # the fix the message names
+    mirrored.restore_checkpoint(tmp_path / "built", lazy)
+    np.testing.assert_allclose(np.asarray(lazy(x)), np.asarray(built(x)), rtol=1e-6)

@@ -77,6 +77,23 @@ def _flat_state(prefix: str, obj: Any) -> dict[str, Any]:
     }
 
 
+def check_built(objects: dict[str, Any], action: str) -> None:
+    """Refuse a Keras model that has not built its variables yet: it would save nothing, and a
+    restore into it would restore nothing (and return as if it had)."""
+    model = objects.get("model")
+    if not _is_keras(model) or getattr(model, "built", True):
+        return
+    raise ValueError(
+        f"Expected a Keras model with its variables to {action}; found {type(model).__name__} "
+        f"{getattr(model, 'name', '')!r}, which has none yet (a Sequential without an input "
+        "shape, or a subclassed model, creates them on its first call), so there is nothing to "
+        f"{action}. Nothing was changed.\n"
+        "Fix: build it first, in the strategy's scope: `model.build((None, *features))`, or "
+        "call it once on a batch, `model(x[:1])`; then "
+        f"{action} (and, with an optimizer, `optimizer.build(model.trainable_variables)`)."
+    )
+
+
 def state_arrays(objects: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every variable of the named NNX objects as a host array, keyed `name/path/to/var`."""
     flat: dict[str, Any] = {}
@@ -91,24 +108,27 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
     Each value lands with the sharding of the variable it replaces, so state saved by 8
     replicas restores onto a model mirrored on 2 (or on one device).
     """
-    for prefix, obj in objects.items():
-        state = None if _is_keras(obj) else nnx.state(obj)
-        for key, var in _flat_state(prefix, obj).items():
+    flat = {prefix: _flat_state(prefix, obj) for prefix, obj in objects.items()}
+    # Every key and shape checked before the first write: a mismatch changes nothing.
+    for variables in flat.values():
+        for key, var in variables.items():
             if key not in arrays:
                 raise ValueError(
                     f"Expected the checkpoint at {source} to hold {key!r}; it does not. It was "
                     "saved from a different model or optimizer. Fix: restore into the same "
                     "architecture (and optimizer) that was saved."
                 )
-            value = arrays[key]
-            current = var.get_value()
-            expected = raw_array(current).shape
-            if value.shape != expected:
+            expected = raw_array(var.get_value()).shape
+            if arrays[key].shape != expected:
                 raise ValueError(
                     f"Expected {key!r} of shape {expected} in the checkpoint at "
-                    f"{source}; found {value.shape}. Fix: restore into the architecture that "
-                    "was saved."
+                    f"{source}; found {arrays[key].shape}. Nothing was restored. Fix: restore "
+                    "into the architecture that was saved."
                 )
+    for prefix, obj in objects.items():
+        state = None if _is_keras(obj) else nnx.state(obj)
+        for key, var in flat[prefix].items():
+            value, current = arrays[key], var.get_value()
             if is_key(current):
                 data = jax.device_put(value.astype(np.uint32), current.sharding)
                 var.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)))
@@ -348,6 +368,7 @@ def save_checkpoint(
     check_max_to_keep(max_to_keep)
     entries = _extras_arrays(extras)
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    check_built(objects, "save")
     checkpoints = Checkpoints(directory, max_to_keep=max_to_keep)
     try:
         checkpoints.save(step, {**state_arrays(objects), **entries})
@@ -375,6 +396,7 @@ def restore_checkpoint(
         >>> mirrored.restore_checkpoint("ckpt/", model)
     """
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    check_built(objects, "restore")
     if _is_keras(optimizer) and not optimizer.built:
         for extension in hooks.extensions:  # Keras creates an optimizer's slots lazily
             extension.prepare_restore(model, optimizer)
