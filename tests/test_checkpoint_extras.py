@@ -258,7 +258,7 @@ def test_keras_models_without_variables_are_refused_with_the_fix(devices, tmp_pa
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import keras
 
-    import mirrored.keras  # noqa: F401
+    import mirrored.keras
 
     strategy = mirrored.MirroredStrategy(devices)
     x = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
