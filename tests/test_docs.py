@@ -57,6 +57,7 @@ def test_included_snippets_are_tested_examples():
         "examples/tutorial_keras.py",
         "examples/flax_mnist_tutorial.py",
         "examples/keras_custom_loop.py",
+        "examples/keras_jax_guide.py",
     }
     for path in included:
         assert (ROOT / path).exists(), path

@@ -4,6 +4,7 @@ collectives), and donated state buffers each held once."""
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +44,14 @@ def own_buffers(state: list[jax.Array], donate: bool) -> list[jax.Array]:
         owned.append(jnp.copy(x) if id(x) in seen else x)
         seen.add(id(x))
     return owned
+
+
+def unaliased(state: list[jax.Array], rep: list[Any]) -> list[jax.Array]:
+    """The state without the buffers also passed as replicated arguments: a donated buffer
+    read by the same call crashes the runtime ("previously donated"). Keras' JAX guide does
+    it: the state it passes is `[v.value for v in model.trainable_variables]`, the very
+    arrays of the variables the step captures. Such a state entry is donated as a copy."""
+    passed = {id(x) for x in rep if isinstance(x, jax.Array)}
+    if not passed or passed.isdisjoint(map(id, state)):
+        return state
+    return [jnp.copy(x) if id(x) in passed else x for x in state]

@@ -314,6 +314,8 @@ class Runner:
         split: list[jax.Array],
         rep: list[Any],
     ) -> Any:
+        if self.donate and rep:
+            state = dispatch.unaliased(state, rep)
         with peer_failures():
             if program.checked:  # the latch goes in and out with the state
                 new_state, outs, token = program.call([*state, self.latch()], split, rep)
