@@ -4,6 +4,7 @@ Python branches get a clear error; `mirrored.debug.enable_check_numerics()` find
 non-finite value by step, replica and parameter, and leaves the state as it was."""
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -355,3 +356,24 @@ def test_a_non_finite_last_step_raises_as_the_loop_over_the_dataset_ends(checkin
             steps += 1
     assert steps == 5  # every step ran; the error came from the `for` statement itself
     assert info.value.step == 4 and info.value.replicas == [6]
+
+
+def test_a_non_finite_last_step_of_keras_fit_raises_before_fit_returns(checking):
+    """Keras' fit reads the flags two steps behind too; fit's end looks at the rest (issue 33,
+    9): before, a NaN in the last batch surfaced only at interpreter exit."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    import mirrored.keras
+
+    x, y = global_batches(1, 96)[0]
+    x = x.copy()
+    x[-1, 2] = np.nan  # the last row: the last of 3 batches of 32
+    strategy = mirrored.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(10)])
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer="sgd", loss=loss)
+    with pytest.raises(mirrored.debug.NonFiniteError) as info:
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert info.value.step == 2

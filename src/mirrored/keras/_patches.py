@@ -490,6 +490,9 @@ def _in_strategy(original: Callable[..., Any], what: str) -> Callable[..., Any]:
         check_mirrored(self, strategy, what=what)
         _STRATEGY_OF[self] = strategy
         with strategy.scope():
-            return original(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
+        # check_numerics: a non-finite value in the last steps raises before fit returns.
+        strategy._check_pending()
+        return out
 
     return method
