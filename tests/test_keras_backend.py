@@ -48,3 +48,19 @@ def test_a_backend_the_user_chose_is_left_alone(backend):
     assert "KERAS_BACKEND was not set" not in done.stderr
     # mirrored says it distributes Keras models on JAX only (once Keras is imported).
     assert "the JAX backend only" in done.stderr
+
+
+def test_mirrored_keras_under_another_backend_is_a_clear_error():
+    """Keras imported with another backend: `mirrored.keras` refuses with the fix."""
+    env = {**subprocess_env(), "KERAS_BACKEND": "numpy"}
+    script = "import keras, mirrored\nimport mirrored.keras\n"
+    done = subprocess.run(
+        ["timeout", "-k", "10", "240", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "ImportError: mirrored distributes Keras 3 models on the JAX backend" in done.stderr
+    assert "'numpy' backend" in done.stderr and "KERAS_BACKEND=jax" in done.stderr
