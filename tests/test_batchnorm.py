@@ -1,6 +1,8 @@
 """BatchNorm under replicas (issues 13 and 18): TensorFlow's per-replica statistics, the
 synchronized mode equal to one device, and padded rows never in the batch statistics."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +254,53 @@ def test_one_replica_computes_the_statistics_as_flax_does_on_a_padded_batch(fast
     out = strategy.run(lambda n, v: n(v, use_running_average=False), args=(norm, padded))
     np.testing.assert_allclose(strategy.gather(out, axis=0), expected, rtol=0, atol=2e-5)
     np.testing.assert_allclose(norm.var[...], reference.var[...], rtol=1e-5)
+
+
+@pytest.mark.parametrize(("norm", "rows", "warned"), [("plain", 16, True), ("sync", 16, False)])
+def test_few_rows_per_replica_under_plain_batchnorm_are_said_once(norm, rows, warned, caplog):
+    """Issue 33, item 8: per-replica statistics of 2 rows (16 over 8 replicas) train visibly
+    worse than one device; TensorFlow says nothing, mirrored warns once (the run, and verify's
+    report) and names the fix. SyncBatchNorm's statistics cover the global batch: no warning."""
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    with strategy.scope():
+        model = Regularised(norm)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    batches = list(strategy.experimental_distribute_dataset([data((rows,), seed=6)[0]] * 3))
+    with caplog.at_level("WARNING", logger="mirrored"):
+        for batch in batches:
+            strategy.run(step, args=(model, optimizer, *batch))
+    said = [r.getMessage() for r in caplog.records if "batch statistics" in r.getMessage()]
+    assert len(said) == int(warned)
+    if warned:
+        assert "each replica's 2 rows" in said[0] and "SyncBatchNorm" in said[0]
+    report = mirrored.verify(strategy, step, (model, optimizer, *batches[0]), steps=1)
+    names = [c.name for c in report.checks]
+    assert ("BatchNorm batch size" in names) == warned
+    if warned:
+        assert report["BatchNorm batch size"].status == "WARN" and report.ok
+
+
+def test_keras_batchnormalization_on_few_rows_per_replica_is_said_once(caplog):
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    strategy = mirrored.MirroredStrategy(jax.devices())
+    x, y = data((64,), seed=2)[0]
+    for synchronized in (False, True):
+        with strategy.scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((x.shape[1],)),
+                    keras.layers.Dense(8),
+                    keras.layers.BatchNormalization(synchronized=synchronized),
+                    keras.layers.Dense(3),
+                ]
+            )
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mirrored"):
+            model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+        said = [r.getMessage() for r in caplog.records if "batch statistics" in r.getMessage()]
+        assert len(said) == (0 if synchronized else 1)
+        if said:
+            assert "8 rows" in said[0] and "synchronized=True" in said[0]

@@ -184,6 +184,8 @@ class ReplicaContext:
         # `run` sums the replicas' additions, as for metrics.
         self.summed_states: set[int] = set()
         self.not_summed_states: set[int] = set()
+        # A BatchNorm that normalised with this replica's rows alone, and how many: (kind, rows).
+        self.per_replica_norm: tuple[str, int] | None = None
 
     @property
     def in_spmd(self) -> bool:

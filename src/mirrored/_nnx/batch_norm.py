@@ -107,6 +107,35 @@ def _kept(rank: int, reduction_axes: tuple[int, ...], stat: Any) -> tuple[int, .
     return tuple(1 if a in reduction_axes else next(shape) for a in range(rank))
 
 
+# Per-replica batch statistics of fewer rows than this are noisy (the usual rule of thumb).
+SMALL_BATCH = 32
+
+
+def note_per_replica_statistics(kind: str, rows: int) -> None:
+    """Record, in the step being traced on a split batch, a BatchNorm that normalises with
+    the replica's `rows` alone when they are few (`run` warns once; `verify` reports it)."""
+    ctx = _context.current_replica_context()
+    if (
+        ctx is not None
+        and ctx.in_spmd
+        and ctx.batch_is_split
+        and ctx.num_replicas_in_sync > 1
+        and rows < SMALL_BATCH
+    ):
+        ctx.per_replica_norm = (kind, rows)
+
+
+def small_batch_warning(fn_name: str, kind: str, rows: int, n: int) -> str:
+    return (
+        f"{fn_name!r}: {kind} computes its batch statistics from each replica's {rows} rows "
+        f"(the global batch split over {n} replicas, as TensorFlow's MirroredStrategy does); "
+        f"statistics of fewer than ~{SMALL_BATCH} rows are noisy, and training can be visibly "
+        "worse than on one device. Fix: compute them over the global batch, "
+        "`mirrored.layers.SyncBatchNorm` (Flax) or `keras.layers.BatchNormalization("
+        "synchronized=True)` (one all-reduce per layer), or raise the global batch size."
+    )
+
+
 def batch_norm(
     layer: nnx.BatchNorm,
     x: Any,
@@ -132,6 +161,8 @@ def batch_norm(
         (x, layer.mean[...], layer.var[...], scale, bias), dtype=layer.dtype
     )
     if not use_running_average:
+        if not synchronized:
+            note_per_replica_statistics(type(layer).__name__, x.shape[0])
         rows = _example_mask(x, reduction_axes)
         if rows is not None:
             mask = rows if mask is None else jnp.logical_and(mask, rows)

@@ -24,6 +24,7 @@ from mirrored._core.values import PerReplica, is_per_replica
 from mirrored._nnx import batch_norm
 from mirrored._proof.checks import (
     FAIL,
+    WARN,
     Check,
     Report,
     check_collectives,
@@ -230,6 +231,9 @@ def verify(
         checks.append(check_in_sync(_mirrored_arrays(copies)))
     except ValueError as error:
         checks.append(Check("Replicas in sync", FAIL, str(error).split("\n")[0], str(error)))
+    note = strategy._step_runner().note(step_fn, copies)
+    if note is not None:  # a plain BatchNorm on few rows per replica
+        checks.append(Check("BatchNorm batch size", WARN, note.split("; ")[0], note))
 
     single = MirroredStrategy(devices[:1])
     try:

@@ -67,6 +67,7 @@ class CompileTarget(Protocol):
     donate: bool
     logged: bool
     eager_traced: set[Any]
+    notes: dict[Any, str]  # what a step function's first trace found worth saying
 
     def latch(self) -> jax.Array: ...
 
@@ -175,6 +176,10 @@ def compile_step(
                 raise _diverged_error(fn_name, args, kwargs, variable)
         if warn:  # the first of the two traces
             _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, n)
+            if ctx.per_replica_norm is not None and _fn_key(fn) not in target.notes:
+                note = batch_norm.small_batch_warning(fn_name, *ctx.per_replica_norm, n)
+                target.notes[_fn_key(fn)] = note
+                logger.warning(note)
         flags = None
         if checking:
             flags, layout = numerics._finite_flags(split, out, gradients, new_state, state_names)

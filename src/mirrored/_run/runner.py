@@ -87,6 +87,7 @@ class Runner:
         self.donate = donate
         self.logged = False
         self.eager_traced: set[Any] = set()  # step functions run eagerly at least once
+        self.notes: dict[Any, str] = {}  # warnings of step functions' first traces
         self._steps_run: dict[Any, int] = {}  # steps run, per step function
         # check_numerics: a mirrored flag, set by the first non-finite step, after which the
         # checked programs change nothing; and the flags not yet looked at (checked with the
@@ -217,6 +218,11 @@ class Runner:
         return self._call(
             program, guard, dispatch.own_buffers(sorted_.state, self.donate), split, rep
         )
+
+    def note(self, fn: Callable[..., Any], args: Sequence[Any]) -> str | None:
+        """The warning the first trace of `run(fn, args)`'s step gave, if any."""
+        fn, _ = state_as_arguments(fn, args)
+        return self.notes.get(_fn_key(fn))
 
     def guard_of(self, fn_key: Any) -> _fastpath.Guard | None:
         """The fast-path guard of the last call of the step function `fn_key`."""

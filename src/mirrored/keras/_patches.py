@@ -330,6 +330,8 @@ def _batch_norm_moments(original: Callable[..., Any]) -> Callable[..., Any]:
                 self.synchronized = True
         # `verify` compares with one device on global statistics (`batch_norm.synchronizing`).
         synchronized = self.synchronized or batch_norm.synchronizing()
+        if ctx is not None and not synchronized:
+            batch_norm.note_per_replica_statistics("BatchNormalization", inputs.shape[0])
         if ctx is None or (rows is None and mask is None and not synchronized):
             return original(self, inputs, mask)
         axes = tuple(self._reduction_axes)
