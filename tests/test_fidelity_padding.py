@@ -256,13 +256,40 @@ def test_a_policy_keeps_the_dtypes_the_user_chose(strategies, policy):
     assert model.free.kernel[...].dtype == jnp.float32  # parameters stay float32
 
 
-# -- accumulation as documented -------------------------------------------------------------------
+# -- accumulation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
+def test_accumulation_is_one_step_on_the_k_times_larger_batch(strategies, n, weighted):
+    """Issue 33, item 7: gradient_accumulation_steps=k weighs each micro-batch by its real
+    examples, so micro-batches of 16, 16 and a ragged 8 make one SGD step on all 40 rows
+    (Keras 3 and optax.MultiSteps average the three means: the 8 rows weighed 2× each)."""
+    x, y = _data(40)
+    w = np.linspace(0.5, 1.5, 40).astype(np.float32) if weighted else None
+    k = 3
+    model = Regressor()
+
+    def loss_fn(model):  # Keras: the weighted sum over the examples, divided by their count
+        losses = mape(y, model(x))
+        return jnp.mean(losses if w is None else losses * w)
+
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(loss_fn)(model))
+    with strategies[n].scope():
+        mirrored_model = Regressor()
+        trainer = mirrored.Trainer(
+            mirrored_model, optax.sgd(0.05), mape, gradient_accumulation_steps=k
+        )
+    trainer.fit(x, y, sample_weight=w, batch_size=16, shuffle=False, verbose=0)
+    expected = params_of(model)
+    for name, value in params_of(mirrored_model).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("n", [2, 8])
-def test_accumulation_is_optax_mean_of_micro_batch_means(strategies, n):
-    # Documented: gradient_accumulation_steps=k averages the k micro-batches' mean gradients
-    # (optax.MultiSteps), so a ragged micro-batch weighs as much as a full one.
+def test_optax_multisteps_given_as_the_optimizer_stays_the_mean_of_micro_batch_means(strategies, n):
+    """Keras 3's rule, still available: optax.MultiSteps averages the k mean gradients."""
     x, y = _data(40)  # micro-batches of 16, 16, 8 (+ the next cycle's)
     k = 3
     model = Regressor()
@@ -276,7 +303,7 @@ def test_accumulation_is_optax_mean_of_micro_batch_means(strategies, n):
     with strategies[n].scope():
         mirrored_model = Regressor()
         trainer = mirrored.Trainer(
-            mirrored_model, optax.sgd(0.05), mape, gradient_accumulation_steps=k
+            mirrored_model, optax.MultiSteps(optax.sgd(0.05), every_k_schedule=k), mape
         )
     trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     expected = params_of(model)

@@ -63,7 +63,10 @@ def test_a_keras_custom_step_passes_every_check_and_leaves_the_model_untouched(d
     assert not model.built  # the check builds it, mirrored, as the first step would
     report = mirrored.verify(strategy, step, batch, expected_replicas=8, scaling=True)
     assert report.ok, report.to_json()
-    assert set(_statuses(report).values()) <= {"PASS", "INFO"}, _statuses(report)
+    statuses = _statuses(report)
+    # Plain BatchNormalization on 8 rows per replica: said, as a warning (issue 33, item 8).
+    assert statuses.pop("BatchNorm batch size") == "WARN"
+    assert set(statuses.values()) <= {"PASS", "INFO"}, statuses
     assert report["Collectives"].data["all_reduce_ops"] >= 1
     assert model.built and int(optimizer.iterations.value) == 0
     before = [w.copy() for w in model.get_weights()]

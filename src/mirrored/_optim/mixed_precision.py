@@ -143,13 +143,15 @@ class LossScaleOptimizer(nnx.Pytree):
         inverse = 1.0 / self.scale[...]
         return jax.tree.map(lambda g: g.astype(jnp.float32) * inverse, grads)
 
-    def apply(self, model: nnx.Module, grads: Any) -> jax.Array:
-        """Apply unscaled `grads` unless one is not finite; returns whether it applied."""
+    def apply(self, model: nnx.Module, grads: Any, **kwargs: Any) -> jax.Array:
+        """Apply unscaled `grads` unless one is not finite; returns whether it applied.
+        `kwargs` go to the transformation's update (`examples=` of the Trainer's
+        accumulation)."""
         finite = _all_finite(grads)
         safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         # A snapshot of the values (nnx.state shares the live Variables).
         before = jax.tree.map(lambda v: v, nnx.state((model, self.optimizer)))
-        self.optimizer.update(model, safe)
+        self.optimizer.update(model, safe, **kwargs)
         after = nnx.state((model, self.optimizer))
         nnx.update(
             (model, self.optimizer),
@@ -164,6 +166,6 @@ class LossScaleOptimizer(nnx.Pytree):
             self.good_steps[...] = jnp.where(grow, 0, good)
         return finite
 
-    def update(self, model: nnx.Module, grads: Any) -> jax.Array:
+    def update(self, model: nnx.Module, grads: Any, **kwargs: Any) -> jax.Array:
         """`nnx.Optimizer`'s spelling of `apply`."""
-        return self.apply(model, grads)
+        return self.apply(model, grads, **kwargs)

@@ -26,13 +26,20 @@ def _make_steps(
     metrics: Sequence[_objectives.Metric],
     weighted_metrics: Sequence[_objectives.Metric] = (),
     stateful_weighted: Sequence[bool] = (),
+    *,
+    accumulating: bool = False,
 ) -> tuple[Callable[..., Any], ...]:
     """The per-replica train, eval and predict steps. They close over configuration only.
 
     Metrics that are means over examples are running sums in `totals`; other metrics
     (`mirrored.metrics.Precision`, `AUC`, your own) come as `stateful`, a tuple of metric
     modules passed as state, updated with the weights when `stateful_weighted` says so.
+    `accumulating`: the optimizer accumulates gradients by examples (`accumulate_by_examples`):
+    each update gives it the batch's real example count.
     """
+
+    def extra(y_pred: Any) -> dict[str, Any]:
+        return {"examples": _examples(y_pred)} if accumulating else {}
 
     def update_stateful(stateful: Any, y: Any, y_pred: Any, w: Any) -> None:
         for metric, weighted in zip(stateful, stateful_weighted, strict=True):
@@ -92,11 +99,11 @@ def _make_steps(
             (_, (y_pred, per_example)), grads = nnx.value_and_grad(scaled_loss_of, has_aux=True)(
                 model, rngs
             )
-            optimizer.apply(model, optimizer.get_unscaled_gradients(grads))
+            optimizer.apply(model, optimizer.get_unscaled_gradients(grads), **extra(y_pred))
         else:
             value_and_grad = nnx.value_and_grad(loss_of, has_aux=True)
             (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
-            optimizer.update(model, grads)
+            optimizer.update(model, grads, **extra(y_pred))
         update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, per_example, y, y_pred, w)
 
@@ -157,6 +164,17 @@ def _plus_steps(totals: PerReplica, additions: PerReplica) -> PerReplica:
 def _add_steps(totals: Any, additions: Any) -> Any:
     """Running sums (replicas × width) plus K steps' additions (replicas × K × width)."""
     return totals + jnp.sum(additions, axis=1)
+
+
+def _examples(y_pred: Any) -> Any:
+    """The global batch's real examples (the same number on every replica)."""
+    ctx = _context.current_replica_context()
+    rows = y_pred.shape[0]
+    if ctx is None or not ctx.in_spmd:
+        return rows
+    if ctx.example_count is not None:
+        return ctx.example_count
+    return rows * ctx.num_replicas_in_sync if ctx.batch_is_split else rows
 
 
 def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:

@@ -14,6 +14,7 @@ from flax import nnx
 from mirrored._core.values import PerReplica, to_host
 from mirrored._data.input import DistributedDataset
 from mirrored._optim import learning_rate as _learning_rate
+from mirrored._optim.accumulation import accumulate_by_examples
 from mirrored._optim.mixed_precision import LossScaleOptimizer, Policy, global_policy
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._run.errors import peer_failures
@@ -57,9 +58,10 @@ class Trainer(FitLoop, Evaluation):
         policy: a `mirrored.mixed_precision` policy (default: the global one); applied to the
             model, and `"mixed_float16"` adds dynamic loss scaling.
         global_clipnorm: clip the (replica-summed) gradient to this global norm.
-        gradient_accumulation_steps: apply one update per this many batches, with the mean of
-            their mean gradients (Keras' and `optax.MultiSteps`' rule: one step on a k-times
-            larger batch when the batches are full; a ragged one weighs as much as a full one).
+        gradient_accumulation_steps: apply one update per this many batches, with the mean
+            gradient over all their examples: one step on the k-times larger batch, a ragged
+            batch weighing by its examples (Keras 3 and `optax.MultiSteps` average the
+            batches' mean gradients instead; pass `optax.MultiSteps(tx, k)` for that).
         rngs: for a model that takes its randomness at call time (Flax's tutorial style,
             `__call__(self, x, rngs=None)`): `fit` calls `model(x, rngs=rngs)`, each replica
             drawing its own numbers, new ones every step, reproducible from the seed;
@@ -169,7 +171,11 @@ class Trainer(FitLoop, Evaluation):
             )
         self.strategy._check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(
-            self.loss, self.metrics, self.weighted_metrics, [w for _, w in stateful]
+            self.loss,
+            self.metrics,
+            self.weighted_metrics,
+            [w for _, w in stateful],
+            accumulating=gradient_accumulation_steps > 1,
         )
         self._train_additions = _additions(self._train_step, self._width)
         self._eval_additions = _eval_additions(self._eval_step, self._width)
@@ -400,8 +406,8 @@ def _build_optimizer(
         # Gradients of mirrored parameters are already summed over replicas here, so every
         # replica clips the same global gradient by the same global norm.
         tx = optax.chain(optax.clip_by_global_norm(global_clipnorm), tx)
-    if accumulation > 1:
-        tx = optax.MultiSteps(tx, every_k_schedule=accumulation)
+    if accumulation > 1:  # weighted by examples: one step on the k-times larger batch
+        tx = accumulate_by_examples(tx, accumulation)
     if policy.needs_loss_scaling:
         return LossScaleOptimizer(model, tx)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
