@@ -62,6 +62,16 @@ def main(out=None):
     for inputs, labels in strategy.experimental_distribute_dataset(batches):
         per_replica = strategy.run(train_step, args=(inputs, labels))
         losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+    # Unseeded (Keras' default initializers: each process draws its own values), as
+    # TensorFlow's multi-worker tutorial is written: the first step takes the chief's values.
+    rank = jax.process_index()
+    keras.utils.set_random_seed(1000 + rank)  # what no seed gives: each process its own draws
+    with strategy.scope():
+        unseeded = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)])
+        unseeded.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    unseeded.fit(x, np.eye(10, dtype="float32")[y], batch_size=64, epochs=1, verbose=0)
+    weights = unseeded.get_weights()
+    np.savez(os.path.join(out, f"unseeded.{rank}.npz"), *weights)
     if getattr(strategy, "is_chief", True):
         arrays = {f"fit/{i}": w for i, w in enumerate(model.get_weights())}
         arrays.update({f"loop/{i}": w for i, w in enumerate(loop_model.get_weights())})

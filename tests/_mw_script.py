@@ -119,8 +119,18 @@ def main():
         counts.append(int(count))
         means.append(float(strategy.reduce("SUM", mean)))
 
+    # 4. Unseeded initialisation (each process its own values, as a tutorial as written): the
+    # first step broadcasts the chief's, so every process trains the same model.
+    with strategy.scope():
+        unseeded = SmallMLP(rngs=nnx.Rngs(100 + rank))
+        unseeded_optimizer = nnx.Optimizer(unseeded, optax.adam(0.01), wrt=nnx.Param)
+    for x, y in strategy.experimental_distribute_dataset(global_batches(2, 64, seed=2)):
+        strategy.run(train_step, args=(unseeded, unseeded_optimizer, x, y))
+    np.savez(os.path.join(args.out, f"unseeded.{rank}.npz"), **flat(unseeded))
+
     if strategy.is_chief:
         arrays = {f"loop/{k}": v for k, v in loop.items()}
+        arrays.update({f"unseeded/{k}": v for k, v in flat(unseeded).items()})
         arrays["dff_counts"] = np.asarray(counts)
         arrays["dff_means"] = np.asarray(means)
         arrays.update({f"fit/{k}": v for k, v in flat(fitted).items()})

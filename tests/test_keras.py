@@ -548,6 +548,10 @@ def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[rank 1] [keras] replicas 4 processes 2" in result.stdout
     two = dict(np.load(tmp_path / "result.npz"))
+    # Unseeded Keras initializers on each process (issue 33, 13): one model on both.
+    ranks = [dict(np.load(tmp_path / f"unseeded.{r}.npz")) for r in (0, 1)]
+    for name in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)
 
     sys.path.insert(0, str(here))
     try:

@@ -153,6 +153,12 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
         scale = max(float(np.max(np.abs(b[name]))), 1e-12)
         assert float(np.max(np.abs(a[name] - b[name]))) / scale <= 1e-5, name
     assert a["predict"].shape == (37, 5)
+    # Unseeded initialisation (issue 33, 13): every process trained the chief's model, the
+    # one process of 4 devices (its own seed = the chief's) included.
+    ranks = [dict(np.load(two_dir / f"unseeded.{r}.npz")) for r in (0, 1)]
+    assert ranks[0].keys() == ranks[1].keys()
+    for name in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)
     # Ragged per-process pipelines: every process counts the true global examples.
     np.testing.assert_array_equal(a["dff_counts"], [12, 7])
     np.testing.assert_allclose(

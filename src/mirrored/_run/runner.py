@@ -23,7 +23,7 @@ from mirrored._core.global_rows import RealRowsNeeded
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.values import PerReplica
 from mirrored._nnx import batch_norm
-from mirrored._run import dispatch, numerics
+from mirrored._run import agreement, dispatch, numerics
 from mirrored._run import guard as _fastpath
 from mirrored._run.arguments import (
     _SPLIT,
@@ -75,6 +75,9 @@ class Runner:
         # Step functions that evaluate a function of the whole batch (`global_rows`): their
         # programs are compiled per real-row count of a padded batch, without a fast path.
         self._global_rows: set[Any] = set()
+        # Several processes: ids of the variables whose values every process agrees on.
+        self._processes = jax.process_count()
+        self._agreed: set[int] = set()
         # What an extension keeps per runner (Keras: its bound steps), by extension name.
         self.extension_state: dict[str, Any] = {}
         # One replica has no collective to deadlock: the host runs ahead as in plain JAX (PJRT's
@@ -127,9 +130,21 @@ class Runner:
             self._guards[fn_key] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
+        state = self._agreed_state(sorted_.unique, sorted_.state)
         return self._call(
-            program, guard, dispatch.own_buffers(sorted_.state, self.donate), *sorted_.with_mask()
+            program, guard, dispatch.own_buffers(state, self.donate), *sorted_.with_mask()
         )
+
+    def _agreed_state(self, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
+        """Several processes: state this runner has not seen yet takes the chief's values
+        (written into its variables), as TensorFlow broadcasts initial values."""
+        if self._processes == 1:
+            return state
+        agreed = agreement.agreed(self._agreed, variables, state)
+        if agreed is not state:
+            for variable, value in zip(variables, agreed, strict=True):
+                _write(variable, value)
+        return agreed
 
     def _program_for(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
@@ -215,9 +230,8 @@ class Runner:
                 program = compile_step(*compile_args, steps.inputs, real_rows=real_rows)
             self._programs[(*key, real_rows, checking)] = program
         guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        return self._call(
-            program, guard, dispatch.own_buffers(sorted_.state, self.donate), split, rep
-        )
+        state = self._agreed_state(sorted_.unique, sorted_.state)
+        return self._call(program, guard, dispatch.own_buffers(state, self.donate), split, rep)
 
     def note(self, fn: Callable[..., Any], args: Sequence[Any]) -> str | None:
         """The warning the first trace of `run(fn, args)`'s step gave, if any."""
@@ -304,13 +318,13 @@ class Runner:
             eager=True,
             real_rows=real_rows,
         )
-        state = sorted_.state
+        agreed = state = self._agreed_state(sorted_.unique, sorted_.state)
         if numerics.check_numerics_enabled():
             state = [*state, self.latch()]
         with _cached_eager_primitives(), jax.disable_jit():
             program = run(state, split, rep)
         guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        return self._call(program, guard, sorted_.state, split, rep)
+        return self._call(program, guard, agreed, split, rep)
 
     def _call(
         self,

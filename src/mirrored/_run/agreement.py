@@ -1,0 +1,52 @@
+"""Mirrored state is the same on every process: the chief's values, broadcast once.
+
+Each process of a multi-worker job builds its own model; without a seed (Keras' default
+initializers, a TensorFlow tutorial as written) each draws its own initial values, while the
+arrays report fully replicated. TensorFlow's MultiWorkerMirroredStrategy and PyTorch's DDP
+broadcast the chief's initial values; so does `run`, the first time it sees a variable: one
+broadcast per new set of state (a collective over every process, and a small program compiled
+for its shapes), then nothing per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def agreed(known: set[int], variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
+    """`state` (the values of `variables`, in order) with every variable not in `known` (ids)
+    holding process 0's value; those are then known. One process: `state` itself."""
+    if jax.process_count() == 1:
+        return state
+    new = [i for i, v in enumerate(variables) if id(v) not in known]
+    if not new:
+        return state
+    from jax.experimental import multihost_utils
+
+    local = [_host_value(state[i]) for i in new]
+    chief = multihost_utils.broadcast_one_to_all(local)
+    out = list(state)
+    for i, value in zip(new, chief, strict=True):
+        out[i] = _placed_like(state[i], np.asarray(value))
+        known.add(id(variables[i]))
+    return out
+
+
+def _is_key(x: jax.Array) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _host_value(x: jax.Array) -> np.ndarray:
+    data = jax.random.key_data(x) if _is_key(x) else x
+    return np.asarray(data.addressable_data(0))
+
+
+def _placed_like(x: jax.Array, value: np.ndarray) -> jax.Array:
+    if _is_key(x):
+        data = jax.make_array_from_process_local_data(x.sharding, value.astype(np.uint32))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.make_array_from_process_local_data(x.sharding, value.astype(x.dtype))
