@@ -290,3 +290,34 @@ def test_launch_needs_a_script():
         check=False,
     )
     assert result.returncode == 2 and "expected a script" in result.stderr
+
+
+@pytest.mark.slow
+def test_verify_on_two_processes_reports_their_agreement():
+    """Issue 33, item 13: verify on 2 processes × 2 devices, each process seeded its own way.
+    Before: a JAX assertion printing hundreds of weights; "spans non-addressable devices" on
+    a batch from distribute_datasets_from_function. Now: a "Processes agree" line (INFO when
+    they start apart, as the first step gives them the chief's values; FAIL when they drift
+    apart afterwards), and the other checks as on one process."""
+    env = subprocess_env()
+    command = ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "launch"]
+    command += ["-n", "2", "--devices-per-process", "2", "--grace", "3"]
+    command += [str(HERE / "_mw_verify_script.py")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=env, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = {}
+    for line in done.stdout.splitlines():
+        if "VERIFY " in line:
+            rank, rest = line.split("] ", 1)
+            _, case, *checks = rest.split()
+            lines[(rank[-1], case)] = dict(c.split("=") for c in checks)
+    assert len(lines) == 8, done.stdout[-3000:]
+    for (rank, case), checks in lines.items():
+        expected_agreement = {"dataset": "INFO", "from_function": "PASS", "keras": "INFO"}
+        assert checks["Processes_agree"] == expected_agreement.get(case, "FAIL"), (rank, case)
+        if case == "diverged":  # nothing else runs on processes that train different models
+            assert set(checks) == {"Devices", "Processes_agree"}
+            continue
+        for name in ("Devices", "Collectives", "Replicas_in_sync", "Single-device_equivalence"):
+            assert checks[name] == "PASS", (rank, case, name)
+    assert "args[0].hidden.kernel (processes [1] vs 0)" in done.stdout

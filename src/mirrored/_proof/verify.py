@@ -24,6 +24,7 @@ from mirrored._core.values import PerReplica, is_per_replica
 from mirrored._nnx import batch_norm
 from mirrored._proof.checks import (
     FAIL,
+    INFO,
     WARN,
     Check,
     Report,
@@ -35,6 +36,7 @@ from mirrored._proof.checks import (
     check_scaling,
     gpus_visible_to_system,
 )
+from mirrored._proof.processes import check_processes, global_host_value
 from mirrored._run.errors import ReplicaDivergenceError
 
 
@@ -96,14 +98,14 @@ def _move_batch(value: PerReplica, strategy: Any) -> PerReplica:
     if value.stacked:  # per-replica values (e.g. running sums): the first n replicas' values
         rows = np.asarray(value.stacked_value())[:n]
         return PerReplica(jax.device_put(rows, split), num_replicas=n, stacked=True)
-    mask = None if value._mask is None else jax.device_put(np.asarray(value._mask), split)
+    mask = None if value._mask is None else jax.device_put(global_host_value(value._mask), split)
     count = (
         None
         if value._count is None
         else jax.device_put(np.asarray(value._count), strategy._replicated)
     )
     return PerReplica(
-        jax.device_put(np.asarray(value.global_value), split),
+        jax.device_put(global_host_value(value.global_value), split),
         num_replicas=strategy.num_replicas_in_sync,
         stacked=False,
         mask=mask,
@@ -111,10 +113,10 @@ def _move_batch(value: PerReplica, strategy: Any) -> PerReplica:
     )
 
 
-def _named_state(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
-    """The arrays of the NNX state in `args`, by path (`args[0].out.kernel`); the Keras
-    variables of a step's `Holder` by their own paths (`dense/kernel`). `which`: an NNX
-    filter (`...`: every variable)."""
+def _named_variables(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
+    """The NNX variables in `args`, by path (`args[0].out.kernel`); the Keras variables of a
+    step's `Holder` by their own paths (`dense/kernel`). `which`: an NNX filter (`...`: every
+    variable)."""
     out = {}
     for i, arg in enumerate(args):
         if not is_state(arg) or isinstance(arg, nnx.Variable):
@@ -125,8 +127,24 @@ def _named_state(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
                 name = keras_paths[int(str(path[-1]))]
             else:
                 name = f"args[{i}]." + ".".join(map(str, path))
-            out[name] = var.get_value()
+            out[name] = var
     return out
+
+
+def _named_state(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
+    """The arrays of `_named_variables(args, which)`."""
+    return {name: var.get_value() for name, var in _named_variables(args, which).items()}
+
+
+def _processes_check(strategy: Any, args: Sequence[Any]) -> Check:
+    """Several processes: whether they hold the same state; then every process holds the
+    chief's, as the first step would give it (the checks after compare one model)."""
+    runner = strategy._step_runner()
+    variables = _named_variables(args)
+    agreed = {name for name, var in variables.items() if runner.is_agreed(var)}
+    check = check_processes({n: v.get_raw_value() for n, v in variables.items()}, agreed)
+    runner.agree(list(variables.values()))
+    return check
 
 
 def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
@@ -208,6 +226,11 @@ def verify(
     except ValueError as error:
         unmirrored = str(error)
     checks = [devices_check(unmirrored)]
+    processes = jax.process_count()
+    if processes > 1 and unmirrored is None:
+        checks.append(_processes_check(strategy, args))
+        if checks[-1].status == FAIL:  # the processes train different models: nothing to run
+            return Report(checks)
     replicated = strategy._replicated
     copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
     try:
@@ -235,7 +258,8 @@ def verify(
     if note is not None:  # a plain BatchNorm on few rows per replica
         checks.append(Check("BatchNorm batch size", WARN, note.split("; ")[0], note))
 
-    single = MirroredStrategy(devices[:1])
+    # One device of this process: on several processes each compares with its own.
+    single = MirroredStrategy(devices[:1] if processes == 1 else jax.local_devices()[:1])
     try:
         before = _params(args)
         ours = _deterministic(_copy_args(args, lambda a: jax.device_put(a, replicated), strategy))
@@ -260,7 +284,11 @@ def verify(
             Check("Single-device equivalence", FAIL, str(error).split("\n")[0], str(error))
         )
 
-    if scaling:
+    if scaling and processes > 1:
+        checks.append(
+            Check("Scaling", INFO, "not measured across processes: run verify on one process")
+        )
+    elif scaling:
         checks.append(_measure_scaling(step_fn, args, devices, scaling_steps))
     global_batch = _global_batch(args)
     if global_batch is not None:

@@ -135,6 +135,14 @@ class Runner:
             program, guard, dispatch.own_buffers(state, self.donate), *sorted_.with_mask()
         )
 
+    def is_agreed(self, variable: Any) -> bool:
+        """Whether every process was given the chief's value of `variable` (several processes)."""
+        return id(variable) in self._agreed
+
+    def agree(self, variables: Sequence[Any]) -> None:
+        """Give every process the chief's value of each of `variables` not agreed yet."""
+        self._agreed_state(variables, [v.get_raw_value() for v in variables])
+
     def _agreed_state(self, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
         """Several processes: state this runner has not seen yet takes the chief's values
         (written into its variables), as TensorFlow broadcasts initial values."""
