@@ -223,3 +223,140 @@ def per_token():
 
 
 PER_TOKEN_BATCHES = (32, 40)  # 4 and 5 rows per replica at 8 replicas
+
+
+# -- every Keras loss and metric (issue 33, item 12) -------------------------------------------
+
+HUNT_ROWS = 37  # at batch 16: 16, 16 and a ragged 5; a ragged global batch of 37 for losses
+_HUNT = np.random.default_rng(12)
+HUNT_X = _HUNT.normal(size=(HUNT_ROWS, 6)).astype("float32")
+HUNT_WEIGHTS = _HUNT.uniform(0.2, 2.0, HUNT_ROWS).astype("float32")
+_CLASSES = _HUNT.integers(0, 5, HUNT_ROWS)
+HUNT_DATA = {  # family: (labels, predictions as a model's outputs, output units, activation)
+    "regression": (
+        _HUNT.uniform(0.5, 2.0, (HUNT_ROWS, 3)).astype("float32"),
+        _HUNT.uniform(0.1, 2.5, (HUNT_ROWS, 3)).astype("float32"),
+        3,
+        "softplus",
+    ),
+    "binary": (
+        (_HUNT.random((HUNT_ROWS, 1)) < 0.4).astype("float32"),
+        _HUNT.uniform(0.01, 0.99, (HUNT_ROWS, 1)).astype("float32"),
+        1,
+        "sigmoid",
+    ),
+    "categorical": (
+        np.eye(5, dtype="float32")[_CLASSES],
+        _HUNT.dirichlet(np.ones(5), HUNT_ROWS).astype("float32"),
+        5,
+        "softmax",
+    ),
+    "sparse": (
+        _CLASSES.astype("int32"),
+        _HUNT.dirichlet(np.ones(5), HUNT_ROWS).astype("float32"),
+        5,
+        "softmax",
+    ),
+}
+# Every class in keras.losses and keras.metrics, by the data it scores; what is left out, why.
+HUNT_LOSSES = {
+    "regression": [
+        "CosineSimilarity", "Huber", "LogCosh", "MeanAbsoluteError",
+        "MeanAbsolutePercentageError", "MeanSquaredError", "MeanSquaredLogarithmicError",
+        "Poisson", "Dice", "Tversky",
+    ],
+    "binary": ["BinaryCrossentropy", "BinaryFocalCrossentropy", "Hinge", "SquaredHinge"],
+    "categorical": [
+        "CategoricalCrossentropy", "CategoricalFocalCrossentropy", "CategoricalHinge",
+        "KLDivergence",
+    ],
+    # CategoricalGeneralizedCrossEntropy takes integer labels, despite its name.
+    "sparse": ["SparseCategoricalCrossentropy", "CategoricalGeneralizedCrossEntropy", "Circle"],
+}  # fmt: skip
+HUNT_LOSS_STRINGS = {
+    "regression": [
+        "mse", "mae", "mape", "msle", "huber", "log_cosh", "poisson", "cosine_similarity",
+    ],
+    "binary": ["binary_crossentropy", "binary_focal_crossentropy", "hinge", "squared_hinge"],
+    "categorical": ["categorical_crossentropy", "categorical_hinge", "kl_divergence"],
+    "sparse": ["sparse_categorical_crossentropy"],
+}  # fmt: skip
+HUNT_METRICS = {
+    "regression": [
+        ("CosineSimilarity", {}), ("LogCoshError", {}), ("MeanAbsoluteError", {}),
+        ("MeanAbsolutePercentageError", {}), ("MeanSquaredError", {}),
+        ("MeanSquaredLogarithmicError", {}), ("R2Score", {}), ("RootMeanSquaredError", {}),
+        ("ConcordanceCorrelation", {}), ("PearsonCorrelation", {}), ("Poisson", {}),
+    ],
+    "binary": [
+        ("Accuracy", {}), ("BinaryAccuracy", {}), ("AUC", {}), ("FalseNegatives", {}),
+        ("FalsePositives", {}), ("Precision", {}), ("PrecisionAtRecall", {"recall": 0.5}),
+        ("Recall", {}), ("RecallAtPrecision", {"precision": 0.5}),
+        ("SensitivityAtSpecificity", {"specificity": 0.5}),
+        ("SpecificityAtSensitivity", {"sensitivity": 0.5}), ("TrueNegatives", {}),
+        ("TruePositives", {}), ("BinaryIoU", {}), ("BinaryCrossentropy", {}), ("Hinge", {}),
+        ("SquaredHinge", {}),
+    ],
+    "categorical": [
+        ("CategoricalAccuracy", {}), ("TopKCategoricalAccuracy", {"k": 2}), ("F1Score", {}),
+        ("FBetaScore", {"beta": 2.0}),
+        ("OneHotIoU", {"num_classes": 5, "target_class_ids": [0, 1]}),
+        ("OneHotMeanIoU", {"num_classes": 5}), ("CategoricalHinge", {}), ("KLDivergence", {}),
+        ("CategoricalCrossentropy", {}),
+    ],
+    "sparse": [
+        ("SparseCategoricalAccuracy", {}), ("SparseTopKCategoricalAccuracy", {"k": 2}),
+        ("SparseCategoricalCrossentropy", {}),
+        ("MeanIoU", {"num_classes": 5, "sparse_y_pred": False}),
+        ("IoU", {"num_classes": 5, "target_class_ids": [0, 1], "sparse_y_pred": False}),
+    ],
+}  # fmt: skip
+HUNT_METRIC_STRINGS = {
+    "regression": ["mse", "mae", "mape", "msle", "cosine_similarity", "log_cosh_error", "poisson"],
+    "binary": ["accuracy", "binary_accuracy", "binary_crossentropy", "hinge", "squared_hinge"],
+    "categorical": [
+        "accuracy", "categorical_accuracy", "top_k_categorical_accuracy",
+        "categorical_crossentropy", "kl_divergence",
+    ],
+    "sparse": [
+        "accuracy", "sparse_categorical_accuracy", "sparse_top_k_categorical_accuracy",
+        "sparse_categorical_crossentropy",
+    ],
+}  # fmt: skip
+HUNT_LEFT_OUT = {
+    "CTC": "a sequence loss with label and logit lengths: tested on its own, not in a family",
+    "Mean": "a container of values, not a compiled (y_true, y_pred) metric",
+    "Sum": "a container of values, not a compiled (y_true, y_pred) metric",
+    "MeanMetricWrapper": "the wrapper of every string and function metric above",
+}
+
+
+def hunt_model(family):
+    """One Dense layer from HUNT_X to the family's outputs (fixed seed)."""
+    _, _, units, activation = HUNT_DATA[family]
+    keras.utils.set_random_seed(12)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(units, activation=activation)])
+
+
+def hunt_metrics(family, kind):
+    if kind == "strings":
+        return list(HUNT_METRIC_STRINGS[family])
+    return [getattr(keras.metrics, name)(**options) for name, options in HUNT_METRICS[family]]
+
+
+def hunt_compiled(family, kind):
+    model = hunt_model(family)
+    loss = {"regression": "mse", "binary": "binary_crossentropy"}.get(family)
+    loss = loss or ("categorical_crossentropy" if family == "categorical" else
+                    "sparse_categorical_crossentropy")  # fmt: skip
+    model.compile(optimizer="sgd", loss=loss, metrics=hunt_metrics(family, kind))
+    return model
+
+
+def hunt_loss(name):
+    """A loss object by class name, or Keras' compile-time wrapper of a loss by string."""
+    if hasattr(keras.losses, name) and isinstance(getattr(keras.losses, name), type):
+        return getattr(keras.losses, name)()
+    from keras.src.losses.losses import LossFunctionWrapper
+
+    return LossFunctionWrapper(keras.losses.get(name), name=name)

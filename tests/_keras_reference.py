@@ -163,6 +163,25 @@ def per_token():
     return out
 
 
+def hunt():
+    """Every Keras loss (called on a ragged batch of 37, with and without sample weights) and
+    every metric (compiled by string and by object; evaluate at batch 16: 16, 16 and 5)."""
+    out = {"losses": {}, "metrics": {}}
+    for family, (labels, predictions, _, _) in m.HUNT_DATA.items():
+        for name in m.HUNT_LOSSES[family] + m.HUNT_LOSS_STRINGS[family]:
+            loss = m.hunt_loss(name)
+            out["losses"][f"{family}/{name}"] = [
+                loss(labels, predictions),
+                loss(labels, predictions, sample_weight=m.HUNT_WEIGHTS),
+            ]
+        for kind in ("objects", "strings"):
+            model = m.hunt_compiled(family, kind)
+            out["metrics"][f"{family}/{kind}"] = model.evaluate(
+                m.HUNT_X, labels, batch_size=16, verbose=0, return_dict=True
+            )
+    return out
+
+
 def references():
     return {
         "fit": fit_evaluate_predict(),
@@ -182,7 +201,7 @@ def references():
 
 def main():
     if "--objectives" in sys.argv[2:]:
-        results = {"whole_batch": whole_batch(), "per_token": per_token()}
+        results = {"whole_batch": whole_batch(), "per_token": per_token(), "hunt": hunt()}
     elif WITH_MIRRORED:
         results = {"outside": outside()}
     else:

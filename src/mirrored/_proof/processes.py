@@ -69,7 +69,7 @@ def check_processes(named: dict[str, jax.Array], agreed: set[str]) -> Check:
 
 def global_host_value(array: jax.Array) -> np.ndarray:
     """The whole of a (possibly multi-process) array on this host."""
-    if array.is_fully_addressable or array.is_fully_replicated:
+    if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
         return np.asarray(array)
     from jax.experimental import multihost_utils
 

@@ -55,7 +55,9 @@ def _row_weights(rows: Any, weight: Any, args: list[Any]) -> Any:
     """The sample weights with padded rows at 0: the (rows,) mask on the weights' row axis,
     whatever their rank (per-token weights `(n, T)`), or shaped to meet the predictions' Keras
     mask (`Embedding(mask_zero=True)`: `(n, 1)` against a `(n, T)` mask)."""
-    mask = ops.cast(rows, "float32")
+    # Without weights: 0/1 as int32, which every metric casts to its dtype (a float mask made
+    # the IoU metrics, which count in int32, warn about float weights).
+    mask = ops.cast(rows, "int32")
     if weight is not None:
         weight = ops.convert_to_tensor(weight)
         if weight.ndim <= 1 or weight.shape[-1] == 1:  # (n,) or (n, 1): Keras' own pairing
