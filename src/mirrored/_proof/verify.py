@@ -141,9 +141,9 @@ def _processes_check(strategy: Any, args: Sequence[Any]) -> Check:
     chief's, as the first step would give it (the checks after compare one model)."""
     runner = strategy._step_runner()
     variables = _named_variables(args)
-    agreed = {name for name, var in variables.items() if runner.is_agreed(var)}
+    agreed = {name for name, var in variables.items() if runner.agreement.is_agreed(var)}
     check = check_processes({n: v.get_raw_value() for n, v in variables.items()}, agreed)
-    runner.agree(list(variables.values()))
+    runner.agreement.agree(list(variables.values()))
     return check
 
 

@@ -50,3 +50,30 @@ def _placed_like(x: jax.Array, value: np.ndarray) -> jax.Array:
         data = jax.make_array_from_process_local_data(x.sharding, value.astype(np.uint32))
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.make_array_from_process_local_data(x.sharding, value.astype(x.dtype))
+
+
+class Agreement:
+    """What one runner's processes agree on: the ids of the variables given the chief's values."""
+
+    def __init__(self) -> None:
+        self._processes = jax.process_count()
+        self._known: set[int] = set()
+
+    def is_agreed(self, variable: Any) -> bool:
+        """Whether every process was given the chief's value of `variable`."""
+        return id(variable) in self._known
+
+    def agree(self, variables: Sequence[Any]) -> None:
+        """Give every process the chief's value of each of `variables` not agreed yet."""
+        self.state(variables, [v.get_raw_value() for v in variables])
+
+    def state(self, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
+        """`state` (the values of `variables`) with the chief's values of variables not agreed
+        yet, written into them too. One process: `state` itself."""
+        if self._processes == 1:
+            return state
+        out = agreed(self._known, variables, state)
+        if out is not state:
+            for variable, value in zip(variables, out, strict=True):
+                variable.set_raw_value(value)
+        return out

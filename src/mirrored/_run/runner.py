@@ -75,9 +75,8 @@ class Runner:
         # Step functions that evaluate a function of the whole batch (`global_rows`): their
         # programs are compiled per real-row count of a padded batch, without a fast path.
         self._global_rows: set[Any] = set()
-        # Several processes: ids of the variables whose values every process agrees on.
-        self._processes = jax.process_count()
-        self._agreed: set[int] = set()
+        # Several processes: the chief's values of state seen for the first time.
+        self.agreement = agreement.Agreement()
         # What an extension keeps per runner (Keras: its bound steps), by extension name.
         self.extension_state: dict[str, Any] = {}
         # One replica has no collective to deadlock: the host runs ahead as in plain JAX (PJRT's
@@ -130,29 +129,10 @@ class Runner:
             self._guards[fn_key] = guard
         if guard is None:
             guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        state = self._agreed_state(sorted_.unique, sorted_.state)
+        state = self.agreement.state(sorted_.unique, sorted_.state)
         return self._call(
             program, guard, dispatch.own_buffers(state, self.donate), *sorted_.with_mask()
         )
-
-    def is_agreed(self, variable: Any) -> bool:
-        """Whether every process was given the chief's value of `variable` (several processes)."""
-        return id(variable) in self._agreed
-
-    def agree(self, variables: Sequence[Any]) -> None:
-        """Give every process the chief's value of each of `variables` not agreed yet."""
-        self._agreed_state(variables, [v.get_raw_value() for v in variables])
-
-    def _agreed_state(self, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
-        """Several processes: state this runner has not seen yet takes the chief's values
-        (written into its variables), as TensorFlow broadcasts initial values."""
-        if self._processes == 1:
-            return state
-        agreed = agreement.agreed(self._agreed, variables, state)
-        if agreed is not state:
-            for variable, value in zip(variables, agreed, strict=True):
-                _write(variable, value)
-        return agreed
 
     def _program_for(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
@@ -238,7 +218,7 @@ class Runner:
                 program = compile_step(*compile_args, steps.inputs, real_rows=real_rows)
             self._programs[(*key, real_rows, checking)] = program
         guard = _fastpath.Guard.unguarded(program, sorted_.unique)
-        state = self._agreed_state(sorted_.unique, sorted_.state)
+        state = self.agreement.state(sorted_.unique, sorted_.state)
         return self._call(program, guard, dispatch.own_buffers(state, self.donate), split, rep)
 
     def note(self, fn: Callable[..., Any], args: Sequence[Any]) -> str | None:
@@ -326,7 +306,7 @@ class Runner:
             eager=True,
             real_rows=real_rows,
         )
-        agreed = state = self._agreed_state(sorted_.unique, sorted_.state)
+        agreed = state = self.agreement.state(sorted_.unique, sorted_.state)
         if numerics.check_numerics_enabled():
             state = [*state, self.latch()]
         with _cached_eager_primitives(), jax.disable_jit():
