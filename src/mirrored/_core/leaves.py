@@ -50,3 +50,9 @@ def is_key(x: Any) -> bool:
 def raw_array(x: Any) -> Any:
     """`x`, or for random keys their raw key data: what NumPy can hold, compare and save."""
     return jax.random.key_data(x) if is_key(x) else x
+
+
+def is_hollow(value: Any) -> bool:
+    """Whether a Variable's value is a pytree without any leaf (Optax's `MaskedNode`): there
+    is nothing to place, step or save."""
+    return value is not None and not isinstance(value, np.ndarray) and not jax.tree.leaves(value)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from mirrored._core import hooks
-from mirrored._core.leaves import is_key, raw_array
+from mirrored._core.leaves import is_hollow, is_key, raw_array
 
 
 def is_chief() -> bool:
@@ -74,6 +74,7 @@ def _flat_state(prefix: str, obj: Any) -> dict[str, Any]:
     return {
         f"{prefix}/" + "/".join(map(str, path)): var
         for path, var in nnx.to_flat_state(nnx.state(obj))
+        if not is_hollow(var.get_raw_value())  # Optax's MaskedNode: nothing to save
     }
 
 

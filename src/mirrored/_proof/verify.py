@@ -19,7 +19,7 @@ from flax import nnx
 
 from mirrored._core import hooks
 from mirrored._core.capture import is_state
-from mirrored._core.leaves import is_key, raw_array
+from mirrored._core.leaves import is_hollow, is_key, raw_array
 from mirrored._core.values import PerReplica, is_per_replica
 from mirrored._nnx import batch_norm
 from mirrored._proof.checks import (
@@ -123,6 +123,8 @@ def _named_variables(args: Sequence[Any], which: Any = ...) -> dict[str, Any]:
             continue
         keras_paths = getattr(arg, "variable_paths", None)
         for path, var in nnx.to_flat_state(nnx.state(arg, which)):
+            if is_hollow(var.get_raw_value()):  # Optax's MaskedNode: no array
+                continue
             if keras_paths is not None:
                 name = keras_paths[int(str(path[-1]))]
             else:

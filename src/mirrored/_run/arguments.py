@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 
+from mirrored._core.leaves import is_hollow
 from mirrored._core.leaves import type_kind as _type_kind
 
 if TYPE_CHECKING:
@@ -125,6 +126,13 @@ class _Sorted:
         return [*self.split, self.mask], [*self.rep, self.count]
 
 
+class _Hollow(NamedTuple):
+    """A Variable holding an empty pytree (Optax's `MaskedNode`): its types select the program."""
+
+    variable: type
+    value: type
+
+
 class _Empty(NamedTuple):
     """A zero-size host array among the static arguments: its shape and dtype select the program."""
 
@@ -139,7 +147,13 @@ def sort_leaves(placement: Placement, leaves: list[Any], args: Any, kwargs: Any)
         kind = _type_kind(type(leaf))
         if kind == "v":
             value = leaf.get_raw_value()
-            if _type_kind(type(value)) != "a" or not placement.is_mirrored(value):
+            if _type_kind(type(value)) != "a":
+                if is_hollow(value):  # Optax's MaskedNode: a Variable that holds no array
+                    out.statics.append(_Hollow(type(leaf), type(value)))
+                    out.kinds.append(_STATIC)
+                    continue
+                value = placement.mirror_host_value(leaf)
+            if value is None or not placement.is_mirrored(value):
                 raise placement.argument_error(args, kwargs, leaf)
             slot = out.slots.setdefault(id(leaf), len(out.unique))
             if slot == len(out.unique):

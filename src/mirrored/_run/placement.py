@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from mirrored._core.leaves import is_leaf as _is_leaf
@@ -16,10 +17,28 @@ from mirrored._core.values import PerReplica
 class Placement:
     """The placement checks of one strategy's devices (results cached per sharding)."""
 
-    def __init__(self, devices: frozenset[Any], n: int) -> None:
+    def __init__(self, devices: frozenset[Any], n: int, replicated: Any = None) -> None:
         self._devices = devices
         self._n = n
+        self._replicated = replicated
         self._sharding_ok: dict[Any, bool] = {}
+
+    def mirror_host_value(self, variable: nnx.Variable[Any]) -> jax.Array | None:
+        """A Variable holding a host value (`nnx.Variable(0)`, a NumPy table, NumPy weights
+        loaded with `nnx.update`) now holds it mirrored, as `nnx.jit` would place it; None
+        when the value is no number or array."""
+        value = variable.get_raw_value()
+        if self._replicated is None or not isinstance(
+            value, np.ndarray | np.generic | bool | int | float | complex
+        ):
+            return None
+        host = np.asarray(value)
+        if jax.process_count() > 1:  # the processes' values agree at the first step
+            placed = jax.make_array_from_process_local_data(self._replicated, host)
+        else:
+            placed = jax.device_put(host, self._replicated)
+        variable.set_raw_value(placed)
+        return placed
 
     def is_mirrored(self, x: Any) -> bool:
         """Whether the jax.Array `x` is fully replicated on exactly this strategy's devices."""
@@ -62,7 +81,12 @@ class Placement:
     def check_mirrored(self, obj: Any, label: str) -> None:
         """Raise the out-of-scope error for the first variable of `obj` not mirrored here."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(obj, is_leaf=_is_leaf)[0]:
-            value = leaf.get_raw_value() if _type_kind(type(leaf)) == "v" else leaf
+            variable = _type_kind(type(leaf)) == "v"
+            value = leaf.get_raw_value() if variable else leaf
+            if variable and not isinstance(value, jax.Array):
+                if not jax.tree.leaves(value):  # Optax's MaskedNode: nothing to place
+                    continue
+                value = self.mirror_host_value(leaf)
             if not (isinstance(value, jax.Array) and self.is_mirrored(value)):
                 raise self.not_mirrored_error(f"{label}{jax.tree_util.keystr(path)}", leaf)
 

@@ -66,7 +66,9 @@ class Runner:
         self.strategy = strategy
         self.mesh = strategy._mesh
         self.n = strategy.num_replicas_in_sync
-        self.placement = Placement(frozenset(strategy.extended.worker_devices), self.n)
+        self.placement = Placement(
+            frozenset(strategy.extended.worker_devices), self.n, strategy._replicated
+        )
         self.is_mirrored = self.placement.is_mirrored
         self.check_mirrored = self.placement.check_mirrored
         self._sort = functools.partial(sort_leaves, self.placement)

@@ -1,0 +1,125 @@
+"""Flax and Optax as their users write them (issue 34): every kind of state a step may hold,
+against plain Flax/Optax on one device (`nnx.jit`, the same global batches, SGD or the recipe's
+own optimizer), at 1, 2 and 8 replicas, a ragged last batch included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mirrored
+
+RNG = np.random.default_rng(34)
+X = RNG.normal(size=(21, 4)).astype(np.float32)  # global batches of 8, 8 and a ragged 5
+Y = RNG.normal(size=(21, 3)).astype(np.float32)
+BATCHES = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 21, 8)]
+
+
+class Net(nnx.Module):
+    """Two layers, a NumPy table and a Python counter held in Variables (item 6)."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+        self.table = nnx.Variable(np.linspace(-1, 1, 3).astype(np.float32))  # NumPy
+        self.calls = nnx.Variable(0)  # a Python int
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.out(jax.nn.relu(self.norm(self.hidden(x)))) + self.table[...]
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+RECIPES = {
+    # "No weight decay on biases and norms": optax.masked around a stateful transform.
+    "masked_adamw": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(1e-2), _decay_mask),
+        optax.masked(optax.adam(1e-2), _decay_mask),
+        optax.masked(optax.sgd(0.1), lambda p: jax.tree.map(lambda m: not m, _decay_mask(p))),
+    ),
+    # Two groups, each its own stateful optimizer.
+    "multi_transform": lambda: optax.multi_transform(
+        {"kernels": optax.adam(1e-2), "rest": optax.sgd(0.1, momentum=0.9)},
+        lambda p: jax.tree.map(lambda x: "kernels" if x.ndim > 1 else "rest", p),
+    ),
+    "muon": lambda: optax.contrib.muon(1e-2),
+}
+
+
+def _step(model, optimizer, x, y):
+    def loss_fn(model):
+        per_example = jnp.mean((model(x) - y) ** 2, axis=-1)
+        return mirrored.compute_average_loss(per_example)
+
+    optimizer.update(model, nnx.grad(loss_fn)(model))
+
+
+def _plain(recipe):
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, RECIPES[recipe](), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            return jnp.mean((model(x) - y) ** 2)
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    for x, y in BATCHES:
+        step(model, optimizer, x, y)
+    return model
+
+
+def _leaves(model):
+    return {
+        "/".join(map(str, path)): np.asarray(v.get_value())
+        for path, v in nnx.to_flat_state(nnx.state(model))
+    }
+
+
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_optax_state_with_masked_nodes_trains_as_on_one_device(devices, recipe, replicas):
+    """Items 4 and 6: Optax state holding `MaskedNode`s (masked, multi_transform, muon) and
+    Variables holding NumPy or Python values, made in the scope. Before: refused at `run` and
+    at Trainer construction as "most likely created outside strategy.scope()"."""
+    expected = _leaves(_plain(recipe))
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = Net(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, RECIPES[recipe](), wrt=nnx.Param)
+    for x, y in strategy.experimental_distribute_dataset(BATCHES):
+        strategy.run(_step, args=(model, optimizer, x, y))
+    got = _leaves(model)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    assert int(model.calls[...]) == 3  # once per step, as on one device
+
+
+def test_masked_optimizer_state_in_the_trainer_and_its_checkpoints(devices, tmp_path):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = Net(nnx.Rngs(0))
+        trainer = mirrored.Trainer(model, RECIPES["masked_adamw"](), loss="mse")
+    trainer.fit(X, Y, batch_size=8, epochs=2, verbose=0)
+    mirrored.save_checkpoint(tmp_path, model, trainer.optimizer, step=1)
+    with strategy.scope():
+        again = Net(nnx.Rngs(5))
+        restored = mirrored.Trainer(again, RECIPES["masked_adamw"](), loss="mse")
+    mirrored.restore_checkpoint(tmp_path, again, restored.optimizer)
+    for name, value in _leaves(model).items():
+        np.testing.assert_array_equal(_leaves(again)[name], value, err_msg=name)
+    ours, theirs = nnx.state(trainer.optimizer), nnx.state(restored.optimizer)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)  # MaskedNodes stay
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    restored.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # and trains on
+    report = restored.verify(X, Y, batch_size=8)
+    assert report.ok, report.to_json()
