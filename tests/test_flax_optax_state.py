@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import mirrored
+from mirrored._core.leaves import raw_array
 
 RNG = np.random.default_rng(34)
 X = RNG.normal(size=(21, 4)).astype(np.float32)  # global batches of 8, 8 and a ragged 5
@@ -78,7 +79,7 @@ def _plain(recipe):
 
 def _leaves(model):
     return {
-        "/".join(map(str, path)): np.asarray(v.get_value())
+        "/".join(map(str, path)): np.asarray(raw_array(v.get_value()))
         for path, v in nnx.to_flat_state(nnx.state(model))
     }
 
@@ -123,3 +124,92 @@ def test_masked_optimizer_state_in_the_trainer_and_its_checkpoints(devices, tmp_
     restored.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # and trains on
     report = restored.verify(X, Y, batch_size=8)
     assert report.ok, report.to_json()
+
+
+# -- stacked random keys: scan over layers (item 5) ---------------------------------------------
+
+
+class Block(nnx.Module):
+    def __init__(self, rate, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(jax.nn.relu(self.linear(x)))
+
+
+class ScanStack(nnx.Module):
+    """Flax's scan-over-layers recipe: three blocks built with split_rngs + vmap, each with
+    its own Dropout stream (a stacked key of shape (3,))."""
+
+    def __init__(self, rate, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rate, rngs)
+
+        self.blocks = create(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return forward(x, self.blocks)
+
+
+def _scan_step(model, optimizer, x, y):
+    def loss_fn(model):
+        per_example = jnp.mean((model(x)[:, :3] - y) ** 2, axis=-1)
+        return mirrored.compute_average_loss(per_example)
+
+    optimizer.update(model, nnx.grad(loss_fn)(model))
+
+
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_scan_over_layers_trains_as_on_one_device(devices, replicas):
+    """Before: "fold_in accepts a single key ... shape (3,)" at 8 replicas. With rate 0 the
+    numbers are one device's; the stacked keys advance as the single ones do."""
+    model = ScanStack(0.0, nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def plain_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return jnp.mean((model(x)[:, :3] - y) ** 2)
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    for x, y in BATCHES:
+        plain_step(model, optimizer, x, y)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        ours = ScanStack(0.0, nnx.Rngs(0, dropout=1))
+        ours_optimizer = nnx.Optimizer(ours, optax.sgd(0.1), wrt=nnx.Param)
+    for x, y in strategy.experimental_distribute_dataset(BATCHES):
+        strategy.run(_scan_step, args=(ours, ours_optimizer, x, y))
+    expected, got = _leaves(model), _leaves(ours)
+    for name, value in expected.items():
+        if "dropout" in name and "count" not in name:  # the keys themselves: per replica
+            continue
+        np.testing.assert_allclose(got[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_stacked_dropout_keys_draw_per_replica_per_layer_and_per_step(devices):
+    """Each replica, layer and step its own mask, as single keys do (Dropout's rule)."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = ScanStack(0.5, nnx.Rngs(0, dropout=1))
+    same_rows = np.ones((16, 4), np.float32)  # every replica sees the same two rows
+
+    def forward(model, x):
+        return model(x)
+
+    ((batch,),) = [(b,) for b in strategy.experimental_distribute_dataset(same_rows, batch_size=16)]
+    first = np.asarray(strategy.gather(strategy.run(forward, args=(model, batch)), axis=0))
+    second = np.asarray(strategy.gather(strategy.run(forward, args=(model, batch)), axis=0))
+    per_replica = first.reshape(8, 2, 4)
+    zeros = per_replica == 0
+    assert len({z.tobytes() for z in zeros}) > 1  # replicas drew different masks
+    assert not np.array_equal(first == 0, second == 0)  # a new mask each step
+    assert 0.2 < zeros.mean() < 1.0  # dropout at 0.5 through three layers (and relu)

@@ -54,8 +54,17 @@ def replica_keys(state: list[Any], slots: list[int]) -> list[Any]:
     replica = jax.lax.axis_index(REPLICA_AXIS)
     inner = list(state)
     for i in slots:
-        inner[i] = jax.random.fold_in(state[i], replica)
+        inner[i] = _fold_each(state[i], replica)
     return inner
+
+
+def _fold_each(keys: Any, replica: Any) -> Any:
+    """`fold_in(key, replica)` for a key, or for each key of a stacked array of them (the
+    layers of a scan-over-layers model, built with `nnx.split_rngs` and `nnx.vmap`)."""
+    fold = jax.random.fold_in
+    for _ in range(keys.ndim):
+        fold = jax.vmap(fold, in_axes=(0, None))
+    return fold(keys, replica)
 
 
 @dataclasses.dataclass(frozen=True)
