@@ -213,3 +213,55 @@ def test_stacked_dropout_keys_draw_per_replica_per_layer_and_per_step(devices):
     assert len({z.tobytes() for z in zeros}) > 1  # replicas drew different masks
     assert not np.array_equal(first == 0, second == 0)  # a new mask each step
     assert 0.2 < zeros.mean() < 1.0  # dropout at 0.5 through three layers (and relu)
+
+
+# -- array state outside Variables (item 1) ------------------------------------------------------
+
+
+class Counting(nnx.Module):
+    def __init__(self, holder, rngs):
+        self.linear = nnx.Linear(4, 3, rngs=rngs)
+        self.calls = holder(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        if isinstance(self.calls, nnx.Variable):
+            self.calls[...] += 1
+        else:
+            self.calls = self.calls + 1
+        return self.linear(x)
+
+
+class PolyakAverage(nnx.Module):
+    """An Optax EMA of the parameters kept in `nnx.data` (Optax's own state, not a Variable)."""
+
+    def __init__(self, model):
+        self.ema = optax.ema(0.9)
+        self.state = nnx.data(self.ema.init(nnx.state(model, nnx.Param)))
+
+    def update(self, model):
+        _, self.state = self.ema.update(nnx.state(model, nnx.Param), self.state)
+
+
+@pytest.mark.parametrize("holder", [lambda a: a, nnx.data], ids=["array_attribute", "nnx_data"])
+def test_array_state_outside_variables_is_refused_with_the_fix(devices, holder):
+    """Before: the counter ended at 0 (nnx.jit on one device: 3), with no error."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = Counting(holder, nnx.Rngs(0))
+    (batch,) = list(strategy.experimental_distribute_dataset(X[:8], batch_size=8))
+    with pytest.raises(ValueError, match=r"(?s)assigning args\[0\]\.calls.*nnx\.Variable"):
+        strategy.run(lambda model, x: model(x), args=(model, batch))
+    with strategy.scope():  # the fix the message gives: a Variable, equal to nnx.jit
+        fixed = Counting(nnx.Variable, nnx.Rngs(0))
+    for _ in range(3):
+        strategy.run(lambda model, x: model(x), args=(fixed, batch))
+    assert int(fixed.calls[...]) == 3
+
+
+def test_an_optax_ema_in_nnx_data_is_refused_with_the_fix(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = Net(nnx.Rngs(0))
+        average = PolyakAverage(model)
+    with pytest.raises(ValueError, match=r"assigning args\[1\]\.state"):
+        strategy.run(lambda model, average: average.update(model), args=(model, average))

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from mirrored._core import capture as _capture
 from mirrored._core import context as _context
 from mirrored._core import hooks
+from mirrored._core.leaves import is_leaf
 from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
 from mirrored._nnx import batch_norm, metrics, rnn
 from mirrored._run import numerics, state_rules
@@ -162,6 +163,9 @@ def compile_step(
                         for patch in extension.masked_trace_patches():
                             patches.enter_context(patch())
                 out = fn(*call_args, **call_kwargs)
+            if warn:
+                after = (call_args, call_kwargs)
+                _refuse_lost_writes(fn_name, (args, kwargs), rebuilt, kinds, treedef, after)
         except jax.errors.TracerBoolConversionError as error:
             raise _python_branch_error(error, fn_name, eager) from error
         finally:
@@ -306,6 +310,45 @@ def compile_step(
         out_stacked=varying,
         out_masked=per_example,
         **program_fields(),
+    )
+
+
+def _refuse_lost_writes(
+    fn_name: str,
+    original: Any,
+    rebuilt: list[Any],
+    kinds: str,
+    treedef: Any,
+    after_call: Any,
+) -> None:
+    """Refuse a step that assigned an array to an attribute that is not a Variable (a plain
+    `jax.Array` attribute, `nnx.data(...)`): `run` writes back Variables only, so the change
+    would be lost without a word, where `nnx.jit` on one device keeps it."""
+    after, after_def = jax.tree.flatten(after_call, is_leaf=is_leaf)
+    if after_def != treedef:  # static attributes changed (a mode switch): nothing to compare
+        return
+    changed = next(
+        (
+            i
+            for i, (kind, old, new) in enumerate(zip(kinds, rebuilt, after, strict=True))
+            if kind in (_MIRRORED, _CONSTANT) and new is not old
+        ),
+        None,
+    )
+    if changed is None:
+        return
+    paths = jax.tree_util.tree_flatten_with_path(original, is_leaf=is_leaf)[0]
+    path = jax.tree_util.keystr(paths[changed][0][1:])
+    where = ("args" if paths[changed][0][0].idx == 0 else "kwargs") + path
+    raise ValueError(
+        f"strategy.run expected {fn_name!r} to change state only through nnx.Variables; found "
+        f"it assigning {where}, which is not a Variable (a plain array attribute or "
+        "nnx.data): run writes back Variables only, so the change would be lost (nnx.jit on "
+        "one device keeps it).\n"
+        "Fix: hold the value in a Variable and update it in place, e.g.\n"
+        "  self.calls = nnx.Variable(jnp.zeros((), jnp.int32))   # in __init__\n"
+        "  self.calls[...] += 1                                    # in the step\n"
+        "(nnx.BatchStat for a statistic the replicas average)."
     )
 
 
