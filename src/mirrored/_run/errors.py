@@ -134,6 +134,24 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         if leaf is variable:
             name = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
             break
+    if isinstance(variable, nnx.BatchStat) or "aggregation" in variable.get_metadata():
+        value = variable.get_raw_value()
+        kind = f"{type(variable).__name__} of {getattr(value, 'dtype', type(value).__name__)}"
+        declared = variable.get_metadata().get("aggregation")
+        why = (
+            f"it is declared aggregation={declared!r}, which keeps it identical on every replica"
+            if declared is not None and str(declared).lower() == "none"
+            else "BatchNorm's statistics (floats) are averaged over the replicas, but integers "
+            "cannot be averaged"
+        )
+        return ReplicaDivergenceError(
+            f"{fn_name!r} updated {name} (a {kind}) from this replica's rows, so it differs "
+            f"between replicas, and its rule cannot combine them: {why}.\n"
+            "Fix: declare how the replicas' values combine, TensorFlow's VariableAggregation "
+            "as the Variable's metadata: aggregation='sum' (a counter: every replica's "
+            "additions count), 'max' or 'min' (a running extreme), 'only_first_replica', "
+            f"e.g. {type(variable).__name__}(value, aggregation='sum')."
+        )
     if isinstance(variable, nnx.metrics.MetricState):
         owner = next(
             (

@@ -67,6 +67,34 @@ def _fold_each(keys: Any, replica: Any) -> Any:
     return fold(keys, replica)
 
 
+# TensorFlow's VariableAggregation, as a Variable's metadata (`nnx.BatchStat(x, aggregation=
+# "sum")`), plus MAX and MIN (mirrored's ReduceOp has them): how the replicas' values of a
+# Variable the step changed per replica become its one new value.
+AGGREGATIONS = ("mean", "sum", "max", "min", "only_first_replica", "none")
+
+
+def declared_aggregation(variable: Any) -> str | None:
+    """A Variable's declared `aggregation` metadata (checked), or None."""
+    metadata = variable.get_metadata() if isinstance(variable, nnx.Variable) else {}
+    how = metadata.get("aggregation")
+    if how is None:
+        return None
+    how = str(getattr(how, "name", how)).lower()  # a tf.VariableAggregation works too
+    if how not in AGGREGATIONS:
+        raise ValueError(
+            f"Expected a Variable's aggregation to be one of {list(AGGREGATIONS)} (TensorFlow's "
+            f"VariableAggregation, with max and min); found {metadata['aggregation']!r} on a "
+            f"{type(variable).__name__}. Fix: pass one of those, e.g. "
+            "nnx.BatchStat(value, aggregation='max')."
+        )
+    return how
+
+
+def _numbers_to_average(variable: Any) -> bool:
+    value = variable.get_raw_value()
+    return jnp.issubdtype(getattr(value, "dtype", jnp.float32), jnp.inexact)
+
+
 @dataclasses.dataclass(frozen=True)
 class StateRules:
     """The slots of a step's state (its Variables, in order) that each rule applies to."""
@@ -74,19 +102,39 @@ class StateRules:
     keys: list[int]
     statistics: list[int]
     sums: list[int]
+    declared: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, variables: list[Any], arguments: Any) -> StateRules:
-        """The table applied to `variables`, the step's state; `arguments` hold its metrics."""
+        """The table applied to `variables`, the step's state; `arguments` hold its metrics.
+
+        | kind | rule |
+        | --- | --- |
+        | `nnx.Param`, optimizer state, any other Variable | mirrored: must stay identical |
+        | `nnx.RngKey` | folded with the replica id: per replica |
+        | `nnx.BatchStat` (floats) | the mean of the replicas with real rows |
+        | metric state (mirrored.metrics, Flax metrics that add) | additions summed |
+        | a Variable with `aggregation=` metadata | that aggregation |
+
+        A `BatchStat` of integers, with no aggregation declared, is not averaged: it stays
+        mirrored (a per-replica value is refused, naming `aggregation=`)."""
         flax_sums = metrics.summable_flax_states(arguments)
+        declared = {
+            i: how for i, v in enumerate(variables) if (how := declared_aggregation(v)) is not None
+        }
         return cls(
             keys=[i for i, v in enumerate(variables) if isinstance(v, nnx.RngKey)],
-            statistics=[i for i, v in enumerate(variables) if isinstance(v, nnx.BatchStat)],
+            statistics=[
+                i
+                for i, v in enumerate(variables)
+                if isinstance(v, nnx.BatchStat) and i not in declared and _numbers_to_average(v)
+            ],
             sums=[
                 i
                 for i, v in enumerate(variables)
-                if isinstance(v, metrics.MetricState) or id(v) in flax_sums
+                if (isinstance(v, metrics.MetricState) or id(v) in flax_sums) and i not in declared
             ],
+            declared=declared,
         )
 
     def entering(self, state: list[Any], n: int) -> list[Any]:
@@ -114,4 +162,25 @@ class StateRules:
         for i in self.statistics:
             if _context.is_varying(new_state[i]):
                 new_state[i] = mean_over_replicas(new_state[i], mask)
+        for i, how in self.declared.items():
+            if _context.is_varying(new_state[i]):
+                new_state[i] = _aggregated(how, state[i], new_state[i], mask, n)
         return new_state
+
+
+def _aggregated(how: str, old: Any, new: Any, mask: Any, n: int) -> Any:
+    """The replicas' values `new` of a Variable declared `aggregation=how`, as one value."""
+    if how == "sum":  # TensorFlow's SUM: every replica's change is applied
+        return summed_over_replicas(old, new, n)
+    if how == "mean":
+        if not jnp.issubdtype(new.dtype, jnp.inexact):
+            return new  # refused by the caller, naming the Variable: ints cannot be averaged
+        return mean_over_replicas(new, mask)
+    if how == "max":
+        return jax.lax.pmax(new, REPLICA_AXIS)
+    if how == "min":
+        return jax.lax.pmin(new, REPLICA_AXIS)
+    if how == "only_first_replica":
+        first = jax.lax.axis_index(REPLICA_AXIS) == 0
+        return jax.lax.psum(jnp.where(first, new, jnp.zeros_like(new)), REPLICA_AXIS)
+    return new  # "none": must stay identical; a per-replica value is refused by the caller
