@@ -331,3 +331,38 @@ def test_an_unknown_aggregation_is_refused():
         from mirrored._run.state_rules import declared_aggregation
 
         declared_aggregation(nnx.BatchStat(jnp.zeros(()), aggregation="median"))
+
+
+# -- host callbacks (item 2) -----------------------------------------------------------------
+
+
+def test_host_callback_results_are_per_replica(devices):
+    """Before: `run` returned replica 0's rows only, `gather` 96 rows instead of 75 (replica
+    0's tiled), and a Variable written from a callback held 8 different device copies under a
+    replicated sharding, with no error."""
+    from jax.experimental import io_callback
+
+    strategy = mirrored.MirroredStrategy(devices)
+    x = np.arange(75, dtype=np.float32).reshape(75, 1)
+    (batch,) = list(strategy.experimental_distribute_dataset(x, batch_size=75))
+
+    def doubled(a):
+        return np.asarray(a) * 2
+
+    def step(x):
+        spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(doubled, spec, x), io_callback(doubled, spec, x)
+
+    for out in strategy.run(step, args=(batch,)):
+        assert isinstance(out, mirrored.PerReplica)
+        np.testing.assert_array_equal(np.asarray(strategy.gather(out, axis=0)), x * 2)
+
+    with strategy.scope():
+        total = nnx.Variable(jnp.zeros((), jnp.float32))
+
+    def write(total, x):
+        spec = jax.ShapeDtypeStruct((), jnp.float32)
+        total[...] = jax.pure_callback(lambda a: np.float32(np.sum(a)), spec, x)
+
+    with pytest.raises(mirrored.ReplicaDivergenceError, match=r"args\[0\]"):
+        strategy.run(write, args=(total, batch))

@@ -19,7 +19,7 @@ from mirrored._core import hooks
 from mirrored._core.leaves import is_leaf
 from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
 from mirrored._nnx import batch_norm, metrics, rnn
-from mirrored._run import numerics, state_rules
+from mirrored._run import callbacks, numerics, state_rules
 from mirrored._run.arguments import (
     _CONSTANT,
     _MIRRORED,
@@ -153,6 +153,7 @@ def compile_step(
             # A padded batch: BatchNorm statistics and Flax metrics leave padded rows out.
             with contextlib.ExitStack() as patches:
                 patches.enter_context(rnn.varying_rnn_carries())
+                patches.enter_context(callbacks.per_replica_callbacks())
                 if checking:
                     patches.enter_context(numerics._capturing_gradients(gradients))
                 if flax_metrics:
