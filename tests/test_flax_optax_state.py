@@ -366,3 +366,48 @@ def test_host_callback_results_are_per_replica(devices):
 
     with pytest.raises(mirrored.ReplicaDivergenceError, match=r"args\[0\]"):
         strategy.run(write, args=(total, batch))
+
+
+# -- Optax's extra arguments (item 6) -------------------------------------------------------
+
+
+def test_reduce_on_plateau_given_a_replicas_share_names_the_fix_and_the_fix_is_exact(devices):
+    """Before: JAX's "manual axis types do not match" deep inside Optax."""
+
+    def make():
+        return optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1))
+
+    def plain_run():
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x, y):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, grads, value=loss)
+
+        for x, y in BATCHES * 3:
+            step(model, optimizer, x, y)
+        return model
+
+    def share_step(model, optimizer, x, y, fixed):
+        def loss_fn(model):
+            return mirrored.compute_average_loss(jnp.mean((model(x) - y) ** 2, axis=-1))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        if fixed:
+            loss = mirrored.get_replica_context().all_reduce("SUM", loss)
+        optimizer.update(model, grads, value=loss)
+
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+    batches = list(strategy.experimental_distribute_dataset(BATCHES * 3))
+    with pytest.raises(ValueError, match=r"(?s)value= to be the same.*all_reduce\('SUM', loss\)"):
+        strategy.run(share_step, args=(model, optimizer, *batches[0], False))
+    for x, y in batches:
+        strategy.run(share_step, args=(model, optimizer, x, y, True))
+    expected = plain_run()
+    np.testing.assert_allclose(model.kernel[...], expected.kernel[...], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(model.bias[...], expected.bias[...], rtol=2e-5, atol=2e-6)

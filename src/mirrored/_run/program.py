@@ -18,7 +18,7 @@ from mirrored._core import context as _context
 from mirrored._core import hooks
 from mirrored._core.leaves import is_leaf
 from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
-from mirrored._nnx import batch_norm, metrics, rnn
+from mirrored._nnx import batch_norm, metrics, optimizer, rnn
 from mirrored._run import callbacks, numerics, state_rules
 from mirrored._run.arguments import (
     _CONSTANT,
@@ -154,6 +154,7 @@ def compile_step(
             with contextlib.ExitStack() as patches:
                 patches.enter_context(rnn.varying_rnn_carries())
                 patches.enter_context(callbacks.per_replica_callbacks())
+                patches.enter_context(optimizer.checked_optimizer_arguments())
                 if checking:
                     patches.enter_context(numerics._capturing_gradients(gradients))
                 if flax_metrics:

@@ -1,0 +1,55 @@
+"""`nnx.Optimizer.update(model, grads, **extra)` inside a step: Optax's extra arguments
+(`value=` of `reduce_on_plateau` and the line searches) must be the same on every replica.
+
+The loss a replica differentiates is its share of the global loss (`compute_average_loss`);
+handed to `value=` it makes each replica's optimizer state different, and JAX failed deep in
+Optax ("the manual axis types do not match"). The fix is the global loss, which is the sum
+of the shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from mirrored._core import context as _context
+from mirrored._core import patching
+
+_UPDATE = patching.target(
+    "flax.nnx.Optimizer",
+    "update",
+    reason="(while a step is traced) Optax's extra arguments must be the same on every replica",
+    checked="flax 0.12.8",
+)
+
+
+def _checked_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update(self: Any, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        for name, value in kwargs.items():
+            if any(_context.is_varying(x) for x in jax.tree.leaves(value)):
+                raise ValueError(
+                    f"Expected the optimizer's {name}= to be the same on every replica (Optax "
+                    "keeps it in the optimizer state, which is mirrored); found a per-replica "
+                    f"value: most likely this replica's share of the loss "
+                    "(compute_average_loss), not the global loss.\n"
+                    f"Fix: pass the global value, the sum of the shares:\n"
+                    "  ctx = mirrored.get_replica_context()\n"
+                    f"  optimizer.update(model, grads, {name}=ctx.all_reduce('SUM', loss))"
+                )
+        return original(self, model, grads, **kwargs)
+
+    return update
+
+
+@contextlib.contextmanager
+def checked_optimizer_arguments() -> Iterator[None]:
+    """While a step is traced: a per-replica extra argument to `nnx.Optimizer.update` raises."""
+    original = vars(nnx.Optimizer)["update"]
+    with patching.temporarily(_UPDATE, _checked_update(original)):
+        yield
