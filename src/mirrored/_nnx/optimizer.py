@@ -1,5 +1,6 @@
 """`nnx.Optimizer.update(model, grads, **extra)` inside a step: Optax's extra arguments
-(`value=` of `reduce_on_plateau` and the line searches) must be the same on every replica.
+(`value=` of `reduce_on_plateau` and the line searches) must be the same on every replica;
+under check_numerics the gradients it applies are recorded (one patch does both).
 
 The loss a replica differentiates is its share of the global loss (`compute_average_loss`);
 handed to `value=` it makes each replica's optimizer state different, and JAX failed deep in
@@ -23,14 +24,17 @@ from mirrored._core import patching
 _UPDATE = patching.target(
     "flax.nnx.Optimizer",
     "update",
-    reason="(while a step is traced) Optax's extra arguments must be the same on every replica",
+    reason="(while a step is traced) Optax's extra arguments must be the same on every "
+    "replica; check_numerics records the gradients a step applies",
     checked="flax 0.12.8",
 )
 
 
-def _checked_update(original: Callable[..., Any]) -> Callable[..., Any]:
+def _checked_update(original: Callable[..., Any], seen: list[Any] | None) -> Callable[..., Any]:
     @functools.wraps(original)
     def update(self: Any, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        if seen is not None:
+            seen.append(grads)
         for name, value in kwargs.items():
             if any(_context.is_varying(x) for x in jax.tree.leaves(value)):
                 raise ValueError(
@@ -48,8 +52,9 @@ def _checked_update(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def checked_optimizer_arguments() -> Iterator[None]:
-    """While a step is traced: a per-replica extra argument to `nnx.Optimizer.update` raises."""
+def checked_optimizer_update(seen: list[Any] | None = None) -> Iterator[None]:
+    """While a step is traced: a per-replica extra argument to `nnx.Optimizer.update` raises;
+    the gradients it is given are appended to `seen` (check_numerics), if given."""
     original = vars(nnx.Optimizer)["update"]
-    with patching.temporarily(_UPDATE, _checked_update(original)):
+    with patching.temporarily(_UPDATE, _checked_update(original, seen)):
         yield

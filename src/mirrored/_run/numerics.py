@@ -5,31 +5,21 @@ value. `mirrored.debug` is its public face."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import inspect
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mirrored._core import context as _context
-from mirrored._core import patching
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.mesh import REPLICA_AXIS
 
 logger = logging.getLogger("mirrored")
-
-_OPTIMIZER_UPDATE = patching.target(
-    "flax.nnx.Optimizer",
-    "update",
-    reason="check_numerics records the gradients a step applies",
-    checked="flax 0.12.8",
-)
 
 
 class CheckedProgram(Protocol):
@@ -125,20 +115,6 @@ def _report_pending_at_exit() -> None:
             logger.error("check_numerics, at exit: %s", error)
         except Exception:  # the runtime may be shutting down; nothing to report then
             return
-
-
-@contextlib.contextmanager
-def _capturing_gradients(seen: list[Any]) -> Iterator[None]:
-    """While a step is traced under check_numerics: the gradients given to
-    `nnx.Optimizer.update` (its `LossScaleOptimizer` hands it finite ones) are recorded."""
-    original = vars(nnx.Optimizer)["update"]
-
-    def update(self: Any, model: Any, grads: Any, **kwargs: Any) -> Any:
-        seen.append(grads)
-        return original(self, model, grads, **kwargs)
-
-    with patching.temporarily(_OPTIMIZER_UPDATE, update):
-        yield
 
 
 def _leaf_name(path: Any) -> str:

@@ -154,9 +154,10 @@ def compile_step(
             with contextlib.ExitStack() as patches:
                 patches.enter_context(rnn.varying_rnn_carries())
                 patches.enter_context(callbacks.per_replica_callbacks())
-                patches.enter_context(optimizer.checked_optimizer_arguments())
-                if checking:
-                    patches.enter_context(numerics._capturing_gradients(gradients))
+                # check_numerics records the gradients applied.
+                patches.enter_context(
+                    optimizer.checked_optimizer_update(gradients if checking else None)
+                )
                 if flax_metrics:
                     patches.enter_context(metrics.flax_metric_updates(flax_metrics))
                 if masked:
