@@ -66,6 +66,16 @@ class Placement:
                 found += f" (sharded as {value.sharding})"
         else:
             found = f"a host value of type {type(value).__name__}"
+            arrays = [x for x in jax.tree.leaves(value) if isinstance(x, jax.Array)]
+            if arrays and not isinstance(value, jax.Array):
+                return ValueError(
+                    f"strategy.run expected each Variable to hold a single array; {name} "
+                    f"({type(bad).__name__}) holds a {type(value).__name__} of {len(arrays)} "
+                    "arrays (Optax's sm3 keeps its state so), not a single array, which "
+                    "strategy.run does not support yet.\n"
+                    "Fix: hold one array per Variable; for Optax, choose another optimizer "
+                    "(optax.adafactor is a memory-light one)."
+                )
         return ValueError(
             f"strategy.run expected mirrored state: every variable and jax.Array argument "
             f"replicated on this strategy's {self._n} device(s); {name} "
