@@ -18,12 +18,12 @@ print("BACKEND", keras.backend.backend(), os.environ.get("KERAS_BACKEND"))
 """
 
 
-def _run(backend):
+def _run(backend, script=SCRIPT):
     env = {k: v for k, v in subprocess_env().items() if k != "KERAS_BACKEND"}
     if backend is not None:
         env["KERAS_BACKEND"] = backend
     done = subprocess.run(
-        ["timeout", "-k", "10", "240", sys.executable, "-c", SCRIPT],
+        ["timeout", "-k", "10", "240", sys.executable, "-c", script],
         capture_output=True,
         text=True,
         env=env,
@@ -52,15 +52,7 @@ def test_a_backend_the_user_chose_is_left_alone(backend):
 
 def test_mirrored_keras_under_another_backend_is_a_clear_error():
     """Keras imported with another backend: `mirrored.keras` refuses with the fix."""
-    env = {**subprocess_env(), "KERAS_BACKEND": "numpy"}
-    script = "import keras, mirrored\nimport mirrored.keras\n"
-    done = subprocess.run(
-        ["timeout", "-k", "10", "240", sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    done = _run("numpy", "import keras, mirrored\nimport mirrored.keras\n")
     assert done.returncode == 1
     assert "ImportError: mirrored distributes Keras 3 models on the JAX backend" in done.stderr
     assert "'numpy' backend" in done.stderr and "KERAS_BACKEND=jax" in done.stderr
