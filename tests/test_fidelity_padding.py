@@ -287,6 +287,109 @@ def test_accumulation_is_one_step_on_the_k_times_larger_batch(strategies, n, wei
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7)
 
 
+def _accumulating_trainer(strategy, k=3, **options):
+    with strategy.scope():
+        model = Regressor()
+        trainer = mirrored.Trainer(
+            model, optax.sgd(0.05), mape, gradient_accumulation_steps=k, **options
+        )
+    return model, trainer
+
+
+def _one_step_on_the_union(x, y, clipnorm=None):
+    """Plain NNX on one device: one SGD step on all rows (clipped if asked)."""
+    model = Regressor()
+    tx = optax.sgd(0.05)
+    if clipnorm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(clipnorm), tx)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean(mape(y, m(x))))(model))
+    return params_of(model)
+
+
+def _computations(hlo):
+    """Optimized HLO text as {computation name: its body}, and the entry computation's name."""
+    named, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            words = line.split()
+            is_entry = words[0] == "ENTRY"
+            name = (words[1] if is_entry else words[0]).lstrip("%")
+            entry = name if is_entry else entry
+            named[name] = ""
+        elif name is not None:
+            named[name] += line + "\n"
+    return named, entry
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_accumulation_all_reduces_the_gradients_once_per_update(strategies, n):
+    """Issue 33, item 7: each replica sums its own gradients over the k micro-batches; the
+    one gradient all-reduce sits in the branch that applies the update, so k - 1 of k steps
+    run no collective at all (was: one all-reduce per micro-batch)."""
+    strategy = strategies[n]
+    x, y = _data(32)
+    model, trainer = _accumulating_trainer(strategy)
+    trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    xb, yb = next(iter(strategy.experimental_distribute_dataset([(x[:16], y[:16])])))
+    args = (model, trainer.optimizer, trainer._train_totals, trainer._stateful, trainer.rngs)
+    hlo = strategy._runner.compiled_text(trainer._train_step, (*args, xb, yb), {})
+    named, entry = _computations(hlo)
+    reducing = {name for name, text in named.items() if "all-reduce" in text}
+    assert reducing, "no all-reduce: the gradients were never combined"
+    assert entry not in reducing, "an all-reduce runs on every micro-batch"
+    branches = "".join(line for line in named[entry].splitlines() if "conditional(" in line)
+    assert all(name in branches for name in reducing), (reducing, branches)
+    # The accumulator is per-replica state: a row per replica, split over them.
+    rows = jax.tree.leaves(nnx.state(trainer.optimizer))
+    assert any(r.shape == (n, 3, 1) and not r.sharding.is_fully_replicated for r in rows)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_accumulation_with_clipping_and_several_steps_per_program(strategies, n):
+    """The clipped mean gradient of 16 + 16 + 8 rows, with the three micro-batches in one
+    program (steps_per_execution=3) and a clip norm that binds: one clipped step on all 40."""
+    x, y = _data(40)
+    expected = _one_step_on_the_union(x, y, clipnorm=0.05)
+    model, trainer = _accumulating_trainer(
+        strategies[n], global_clipnorm=0.05, steps_per_execution=3
+    )
+    trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for name, value in params_of(model).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_under_float16_loss_scaling_matches_one_device(strategies):
+    """mixed_float16: the loss-scale optimizer skips a step when a replica's own gradient is
+    not finite (agreed across replicas, as the accumulator differs); 8 replicas equal one."""
+    x, y = _data(40)
+    trained = {}
+    for n in (1, 8):
+        model, trainer = _accumulating_trainer(strategies[n], policy="mixed_float16")
+        trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        trained[n] = params_of(model)
+    for name, value in trained[8].items():
+        np.testing.assert_allclose(value, trained[1][name], rtol=2e-3, atol=1e-4)
+    assert any(np.abs(trained[8][name] - v).max() > 0 for name, v in params_of(Regressor()).items())
+
+
+def test_an_accumulation_saved_midway_resumes_on_another_replica_count(strategies, tmp_path):
+    """Two micro-batches accumulated on 8 replicas, saved, restored onto 2 (the checkpoint
+    holds the replicas' summed gradients), the third micro-batch there: one step on all 40."""
+    x, y = _data(40)
+    expected = _one_step_on_the_union(x, y)
+    model, trainer = _accumulating_trainer(strategies[8])
+    trainer.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)
+    mirrored.save_checkpoint(tmp_path, model, trainer.optimizer, step=2)
+    resumed, again = _accumulating_trainer(strategies[2])
+    mirrored.restore_checkpoint(tmp_path, resumed, again.optimizer)
+    for name, value in params_of(Regressor()).items():  # not applied yet
+        np.testing.assert_array_equal(params_of(resumed)[name], value)
+    again.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
+    for name, value in params_of(resumed).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("n", [2, 8])
 def test_optax_multisteps_given_as_the_optimizer_stays_the_mean_of_micro_batch_means(strategies, n):
     """Keras 3's rule, still available: optax.MultiSteps averages the k mean gradients."""

@@ -35,3 +35,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def split(mesh: Mesh) -> NamedSharding:
     """Sharding of a value whose leading axis is split across the replicas of `mesh`."""
     return NamedSharding(mesh, SPLIT)
+
+
+def is_per_replica_state(x: object) -> bool:
+    """Whether the array `x` is per-replica state: one row per replica, its leading axis split
+    over the replica axis (the Trainer's local gradient sums), not mirrored."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    return (
+        spec is not None
+        and len(spec) >= 1
+        and spec[0] == REPLICA_AXIS
+        and all(axis is None for axis in spec[1:])
+    )

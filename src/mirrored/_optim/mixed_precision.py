@@ -16,6 +16,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
+
 _POLICIES = {
     "float32": jnp.float32,
     "mixed_float16": jnp.float16,
@@ -89,8 +92,13 @@ def global_policy() -> Policy:
 
 
 def _all_finite(tree: Any) -> jax.Array:
+    """Whether every value of `tree` is finite, on every replica (a replica's own gradients,
+    accumulating, may differ: one non-finite replica skips the step on all)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    finite = jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    if _context.is_varying(finite):
+        finite = jax.lax.pmin(finite.astype(jnp.int32), REPLICA_AXIS) == 1
+    return finite
 
 
 class LossScaleOptimizer(nnx.Pytree):

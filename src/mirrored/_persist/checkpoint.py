@@ -22,7 +22,9 @@ import numpy as np
 from flax import nnx
 
 from mirrored._core import hooks
+from mirrored._core import mesh as _mesh
 from mirrored._core.leaves import is_hollow, is_key, raw_array
+from mirrored._core.mesh import is_per_replica_state
 
 
 def is_chief() -> bool:
@@ -99,8 +101,28 @@ def state_arrays(objects: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every variable of the named NNX objects as a host array, keyed `name/path/to/var`."""
     flat: dict[str, Any] = {}
     for prefix, obj in objects.items():
-        flat.update({k: raw_array(v.get_value()) for k, v in _flat_state(prefix, obj).items()})
+        flat.update(
+            {k: _saved_form(raw_array(v.get_value())) for k, v in _flat_state(prefix, obj).items()}
+        )
     return {k: np.asarray(v) for k, v in jax.device_get(flat).items()}
+
+
+def _saved_form(value: Any) -> Any:
+    """What a checkpoint holds of a value: per-replica state (a row per replica: the Trainer's
+    local gradient sums) as the sum of its rows, like TensorFlow's SYNC_ON_READ SUM
+    variables, so it restores onto any replica count; anything else as it is."""
+    if not is_per_replica_state(value):
+        return value
+    return jax.jit(
+        lambda rows: rows.sum(axis=0), out_shardings=_mesh.replicated(value.sharding.mesh)
+    )(value)
+
+
+def _placed_rows(value: np.ndarray, current: jax.Array) -> jax.Array:
+    """A saved sum of per-replica rows, back as rows: all of it in the first replica's row."""
+    rows = np.zeros(current.shape, current.dtype)
+    rows[0] = value
+    return jax.make_array_from_callback(current.shape, current.sharding, lambda index: rows[index])
 
 
 def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], source: str) -> None:
@@ -119,7 +141,8 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
                     "saved from a different model or optimizer. Fix: restore into the same "
                     "architecture (and optimizer) that was saved."
                 )
-            expected = raw_array(var.get_value()).shape
+            current = raw_array(var.get_value())
+            expected = current.shape[1:] if is_per_replica_state(current) else current.shape
             if arrays[key].shape != expected:
                 raise ValueError(
                     f"Expected {key!r} of shape {expected} in the checkpoint at "
@@ -130,7 +153,9 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
         state = None if _is_keras(obj) else nnx.state(obj)
         for key, var in flat[prefix].items():
             value, current = arrays[key], var.get_value()
-            if is_key(current):
+            if is_per_replica_state(current):
+                var.set_value(_placed_rows(value.astype(current.dtype), current))
+            elif is_key(current):
                 data = jax.device_put(value.astype(np.uint32), current.sharding)
                 var.set_value(jax.random.wrap_key_data(data, impl=jax.random.key_impl(current)))
             else:

@@ -16,13 +16,20 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrored._core.mesh import is_per_replica_state
+
 
 def agreed(known: set[int], variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
     """`state` (the values of `variables`, in order) with every variable not in `known` (ids)
     holding process 0's value; those are then known. One process: `state` itself."""
     if jax.process_count() == 1:
         return state
-    new = [i for i, v in enumerate(variables) if id(v) not in known]
+    # Per-replica state (a row per replica, not mirrored) keeps each process' rows.
+    new = [
+        i
+        for i, v in enumerate(variables)
+        if id(v) not in known and not is_per_replica_state(state[i])
+    ]
     if not new:
         return state
     from jax.experimental import multihost_utils

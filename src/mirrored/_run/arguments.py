@@ -115,6 +115,8 @@ class _Sorted:
     split: list[jax.Array] = dataclasses.field(default_factory=list)
     rep: list[Any] = dataclasses.field(default_factory=list)
     statics: list[Any] = dataclasses.field(default_factory=list)
+    # Slots of per-replica state (one row per replica, split over them; `is_per_replica`).
+    local: list[int] = dataclasses.field(default_factory=list)
     # A padded batch among the inputs: its example mask (split) and real-example count.
     mask: jax.Array | None = None
     count: jax.Array | None = None
@@ -153,12 +155,16 @@ def sort_leaves(placement: Placement, leaves: list[Any], args: Any, kwargs: Any)
                     out.kinds.append(_STATIC)
                     continue
                 value = placement.mirror_host_value(leaf)
-            if value is None or not placement.is_mirrored(value):
+            # Per-replica state (split over the replicas, a row each) or mirrored state.
+            local = value is not None and placement.is_per_replica(value)
+            if not local and (value is None or not placement.is_mirrored(value)):
                 raise placement.argument_error(args, kwargs, leaf)
             slot = out.slots.setdefault(id(leaf), len(out.unique))
             if slot == len(out.unique):
                 out.unique.append(leaf)
                 out.state.append(value)
+                if local:
+                    out.local.append(slot)
             out.kinds.append(_VARIABLE)
         elif kind == "p":
             placement.check_split(leaf)

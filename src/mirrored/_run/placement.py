@@ -11,6 +11,7 @@ from flax import nnx
 
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.leaves import type_kind as _type_kind
+from mirrored._core.mesh import is_per_replica_state
 from mirrored._core.values import PerReplica
 
 
@@ -48,6 +49,17 @@ class Placement:
             ok = sharding.is_fully_replicated and sharding.device_set == self._devices
             self._sharding_ok[sharding] = ok
         return ok
+
+    def is_per_replica(self, x: Any) -> bool:
+        """Whether the jax.Array `x` is per-replica state: one row per replica, its leading
+        axis split over this strategy's replicas (a replica's local gradient sum, say)."""
+        sharding = x.sharding
+        key = ("local", sharding)
+        ok = self._sharding_ok.get(key)
+        if ok is None:
+            ok = is_per_replica_state(x) and sharding.device_set == self._devices
+            self._sharding_ok[key] = ok
+        return ok and x.ndim >= 1 and x.shape[0] == self._n
 
     def argument_error(self, args: Any, kwargs: Any, bad: Any) -> ValueError:
         name = "an argument"
@@ -97,7 +109,10 @@ class Placement:
                 if not jax.tree.leaves(value):  # Optax's MaskedNode: nothing to place
                     continue
                 value = self.mirror_host_value(leaf)
-            if not (isinstance(value, jax.Array) and self.is_mirrored(value)):
+            if not (
+                isinstance(value, jax.Array)
+                and (self.is_mirrored(value) or (variable and self.is_per_replica(value)))
+            ):
                 raise self.not_mirrored_error(f"{label}{jax.tree_util.keystr(path)}", leaf)
 
     def check_split(self, leaf: PerReplica) -> None:

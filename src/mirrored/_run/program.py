@@ -107,7 +107,7 @@ def compile_step(
     ]
     var_treedefs = [jax.tree.structure(v) for v in unique]
     # How each variable combines across replicas (random keys, moving statistics, sums).
-    rules = state_rules.StateRules.of(unique, (args, kwargs))
+    rules = state_rules.StateRules.of(unique, (args, kwargs), sorted_.local)
     flax_metrics = metrics.flax_metric_classes((args, kwargs))
     n = target.n
     fn_name = getattr(fn, "__name__", type(fn).__name__)
@@ -178,8 +178,10 @@ def compile_step(
         sums = ctx.summed_states - ctx.not_summed_states
         added = {slot_of[v] for v in sums if v in slot_of}
         new_state = rules.combined(state, inner, [v.get_raw_value() for v in fresh], added, mask, n)
-        for variable, value in zip(unique, new_state, strict=True):
-            if _context.is_varying(value):
+        for slot, (variable, value) in enumerate(zip(unique, new_state, strict=True)):
+            if slot in local:  # per-replica state: each replica keeps its own row
+                new_state[slot] = _context.as_varying(value)
+            elif _context.is_varying(value):
                 raise _diverged_error(fn_name, args, kwargs, variable)
         if warn:  # the first of the two traces
             _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, n)
@@ -247,12 +249,19 @@ def compile_step(
     # K steps: every split input carries the step on its leading axis, the batch on the next.
     split_spec = SPLIT if steps is None else PartitionSpec(None, REPLICA_AXIS)
 
+    # Mirrored state enters whole; per-replica state (`sorted_.local`) as each replica's row.
+    local = frozenset(sorted_.local)
+    state_specs: Any = REPLICATED
+    if local:
+        state_specs = [SPLIT if i in local else REPLICATED for i in range(len(unique))]
+        state_specs += [REPLICATED] * checking  # the latch
+
     def program(expand: Any, out_specs: Any) -> Any:
         return jax.shard_map(
             lambda s, d, r: body(s, d, r, expand=expand),
             mesh=target.mesh,
-            in_specs=(REPLICATED, split_spec, REPLICATED),
-            out_specs=(REPLICATED, out_specs, REPLICATED),
+            in_specs=(state_specs, split_spec, REPLICATED),
+            out_specs=(state_specs, out_specs, REPLICATED),
             check_vma=True,
         )
 

@@ -161,6 +161,7 @@ class Runner:
             masked,
             batch_norm.synchronizing(),
             numerics.check_numerics_enabled(),
+            tuple(sorted_.local),
         )
         # A step that evaluates a function of the whole batch: a program per real-row count.
         real_rows = self._real_rows(key[0], masked, sorted_.count)
@@ -202,7 +203,16 @@ class Runner:
         signature = "".join(sorted_.kinds)
         statics = tuple((type(x), x) for x in sorted_.statics)
         checking = numerics.check_numerics_enabled()
-        key = ("steps", len(batches), _fn_key(fn), steps.treedef, signature, statics, masked)
+        key = (
+            "steps",
+            len(batches),
+            _fn_key(fn),
+            steps.treedef,
+            signature,
+            statics,
+            masked,
+            tuple(sorted_.local),
+        )
         real_rows = self._real_rows(key[2], masked, rep[-1] if masked else None)
         program = self._programs.get((*key, real_rows, checking))
         if program is None:

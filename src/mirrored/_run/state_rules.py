@@ -7,6 +7,7 @@
 | `nnx.RngKey` (random streams)           | folded with the replica id per step | per-replica seed |
 | `nnx.BatchStat` (moving statistics)     | mean over replicas with real rows   | ON_READ MEAN     |
 | `MetricState`, Flax metric sums         | `old + Σ_replicas (new_r - old)`    | SYNC_ON_READ SUM |
+| per-replica state (split, a row each)   | each replica keeps its own row      | SYNC_ON_READ     |
 
 Anything else that comes back different on each replica is an error (`ReplicaDivergenceError`).
 """
@@ -105,7 +106,7 @@ class StateRules:
     declared: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, variables: list[Any], arguments: Any) -> StateRules:
+    def of(cls, variables: list[Any], arguments: Any, local: Any = ()) -> StateRules:
         """The table applied to `variables`, the step's state; `arguments` hold its metrics.
 
         | kind | rule |
@@ -117,8 +118,11 @@ class StateRules:
         | a Variable with `aggregation=` metadata | that aggregation |
 
         A `BatchStat` of integers, with no aggregation declared, is not averaged: it stays
-        mirrored (a per-replica value is refused, naming `aggregation=`)."""
+        mirrored (a per-replica value is refused, naming `aggregation=`). The slots `local`
+        hold per-replica state (one row per replica): no rule applies to them."""
         flax_sums = metrics.summable_flax_states(arguments)
+        local = frozenset(local)
+        variables = [None if i in local else v for i, v in enumerate(variables)]
         declared = {
             i: how for i, v in enumerate(variables) if (how := declared_aggregation(v)) is not None
         }

@@ -3,8 +3,9 @@ running sums their metrics add to."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -89,6 +90,9 @@ def _make_steps(
             share, loss = _loss_terms(loss_fn, y, y_pred, w)
             return share, (y_pred, loss)
 
+        # Accumulating: each replica keeps its own gradients (no all-reduce per micro-batch);
+        # the optimizer all-reduces their sums once per update.
+        local = _local_parameters(model) if accumulating else contextlib.nullcontext()
         scaled = isinstance(optimizer, LossScaleOptimizer)
         if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
 
@@ -96,13 +100,14 @@ def _make_steps(
                 loss, aux = loss_of(model, rngs)
                 return optimizer.get_scaled_loss(loss), aux
 
-            (_, (y_pred, per_example)), grads = nnx.value_and_grad(scaled_loss_of, has_aux=True)(
-                model, rngs
-            )
+            with local:
+                value_and_grad = nnx.value_and_grad(scaled_loss_of, has_aux=True)
+                (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
             optimizer.apply(model, optimizer.get_unscaled_gradients(grads), **extra(y_pred))
         else:
-            value_and_grad = nnx.value_and_grad(loss_of, has_aux=True)
-            (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
+            with local:
+                value_and_grad = nnx.value_and_grad(loss_of, has_aux=True)
+                (_, (y_pred, per_example)), grads = value_and_grad(model, rngs)
             optimizer.update(model, grads, **extra(y_pred))
         update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, per_example, y, y_pred, w)
@@ -164,6 +169,26 @@ def _plus_steps(totals: PerReplica, additions: PerReplica) -> PerReplica:
 def _add_steps(totals: Any, additions: Any) -> Any:
     """Running sums (replicas × width) plus K steps' additions (replicas × K × width)."""
     return totals + jnp.sum(additions, axis=1)
+
+
+@contextlib.contextmanager
+def _local_parameters(model: Any) -> Iterator[None]:
+    """Inside a replica's step: the model's parameters typed as differing between replicas,
+    so gradients with respect to them are this replica's own, not all-reduced (`grad` of
+    mirrored parameters sums over the replicas). Their mirrored values come back on exit."""
+    ctx = _context.current_replica_context()
+    if ctx is None or not ctx.in_spmd:
+        yield
+        return
+    params = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+    mirrored = [v.get_raw_value() for v in params]
+    for variable, value in zip(params, mirrored, strict=True):
+        variable.set_raw_value(_context.as_varying(value))
+    try:
+        yield
+    finally:
+        for variable, value in zip(params, mirrored, strict=True):
+            variable.set_raw_value(value)
 
 
 def _examples(y_pred: Any) -> Any:

@@ -62,6 +62,7 @@ class Trainer(FitLoop, Evaluation):
             gradient over all their examples: one step on the k-times larger batch, a ragged
             batch weighing by its examples (Keras 3 and `optax.MultiSteps` average the
             batches' mean gradients instead; pass `optax.MultiSteps(tx, k)` for that).
+            Each replica accumulates its own gradients: one all-reduce per update.
         rngs: for a model that takes its randomness at call time (Flax's tutorial style,
             `__call__(self, x, rngs=None)`): `fit` calls `model(x, rngs=rngs)`, each replica
             drawing its own numbers, new ones every step, reproducible from the seed;
