@@ -61,11 +61,8 @@ def _plain_five_steps(batches):
         )
         labels = np.concatenate([b["label"] for b in batches])
         accuracy = float(np.mean(np.concatenate(logits).argmax(-1) == labels))
-        loss = float(np.mean(np.concatenate(losses)))
-        return _state(model, nnx.Param), _state(model, nnx.BatchStat), {
-            "accuracy": accuracy,
-            "loss": loss,
-        }
+        metrics = {"accuracy": accuracy, "loss": float(np.mean(np.concatenate(losses)))}
+        return _state(model, nnx.Param), _state(model, nnx.BatchStat), metrics
 
 
 def _five_steps(strategy, batches):
