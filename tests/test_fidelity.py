@@ -275,7 +275,9 @@ def test_a_per_replica_mean_loss_warns_once_naming_the_factor(strategies, caplog
     assert record.levelno == logging.WARNING
     assert "'_mean_loss_step'" in text and "8× the gradient" in text
     assert "compute_average_loss(per_example_loss)" in text
-    assert "/ GLOBAL_BATCH_SIZE" in text and "getLogger('mirrored.loss')" in text
+    assert "by the global batch size" in text and "getLogger('mirrored.loss')" in text
+    # A distributed batch may be ragged: its padded rows enter an unmasked sum too.
+    assert "padded rows" in text and "jnp.where(mask, per_example_loss, 0.0)" in text
 
 
 def test_compute_average_loss_and_one_replica_never_warn(strategies, caplog):

@@ -179,6 +179,7 @@ class ReplicaContext:
         # Whether the step called compute_average_loss: a scalar a metric then averages over
         # replicas is most likely a replica's share of the loss (metrics warn: loss / N).
         self.loss_shared = False
+        self.mask_read = False  # whether the step read `example_mask` (it masks rows itself)
         self.warnings = True  # trace-time warnings (`run` traces a step twice: warns once)
         # Ids of state variables whose update only added to them (user's Flax metrics):
         # `run` sums the replicas' additions, as for metrics.
@@ -207,6 +208,7 @@ class ReplicaContext:
 
         `compute_average_loss` applies it on its own; use it for hand-written metrics.
         """
+        self.mask_read = True
         return self._example_mask
 
     @property

@@ -30,21 +30,49 @@ _UPDATE = patching.target(
 )
 
 
+def _per_replica_error(name: str, fix: str) -> ValueError:
+    return ValueError(
+        f"Expected the optimizer's {name} to be the same on every replica (Optax keeps it in "
+        "the optimizer state, which is mirrored); found a per-replica value: most likely this "
+        "replica's share of the loss (compute_average_loss), not the global loss.\n"
+        f"Fix: pass the global value, the sum of the shares:\n{fix}"
+    )
+
+
+def _is_per_replica(value: Any) -> bool:
+    return any(_context.is_varying(x) for x in jax.tree.leaves(value) if isinstance(x, jax.Array))
+
+
+def _checked_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a line search's `value_fn`), whose results must be the same on every replica."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if _is_per_replica(result):
+            raise _per_replica_error(
+                f"{name}= results",
+                "  ctx = mirrored.get_replica_context()\n"
+                f"  {name}=lambda state: ctx.all_reduce('SUM', loss_share_of(state))",
+            )
+        return result
+
+    return checked
+
+
 def _checked_update(original: Callable[..., Any], seen: list[Any] | None) -> Callable[..., Any]:
     @functools.wraps(original)
     def update(self: Any, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         if seen is not None:
             seen.append(grads)
         for name, value in kwargs.items():
-            if any(_context.is_varying(x) for x in jax.tree.leaves(value)):
-                raise ValueError(
-                    f"Expected the optimizer's {name}= to be the same on every replica (Optax "
-                    "keeps it in the optimizer state, which is mirrored); found a per-replica "
-                    f"value: most likely this replica's share of the loss "
-                    "(compute_average_loss), not the global loss.\n"
-                    f"Fix: pass the global value, the sum of the shares:\n"
+            if callable(value) and not isinstance(value, jax.Array):
+                kwargs[name] = _checked_function(name, value)
+            elif _is_per_replica(value):
+                raise _per_replica_error(
+                    f"{name}=",
                     "  ctx = mirrored.get_replica_context()\n"
-                    f"  optimizer.update(model, grads, {name}=ctx.all_reduce('SUM', loss))"
+                    f"  optimizer.update(model, grads, {name}=ctx.all_reduce('SUM', loss))",
                 )
         return original(self, model, grads, **kwargs)
 

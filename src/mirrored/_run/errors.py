@@ -27,6 +27,7 @@ def _warn_per_replica_mean(
     after: list[Any],
     kinds: str,
     n: int,
+    padded: bool = False,
 ) -> None:
     """Name the N× trap where it happens: parameters trained from a per-replica mean loss.
 
@@ -34,6 +35,8 @@ def _warn_per_replica_mean(
     replica's shard (`jnp.mean`) instead of divided by the global batch trains with N× the
     gradient, in TensorFlow too. The step is suspect when it updated parameters from
     replica-varying inputs and never scaled a loss for the sum (compute_average_loss).
+    With a masked (distributed) batch such a step also counts a ragged batch's padded rows,
+    copies of real ones, unless it masks them itself (`example_mask`): said too.
     """
     if n == 1 or ctx.replica_aware or not (_SPLIT in kinds or _STACKED in kinds):
         return
@@ -44,19 +47,29 @@ def _warn_per_replica_mean(
     ]
     if not trained:
         return
+    padding = ""
+    if padded and not ctx.mask_read:
+        padding = (
+            "\nAnd on a ragged batch the padded rows (copies of real rows, so that every "
+            "replica has one shape) enter any loss that reduces over the replica's rows "
+            "without the mask: a sum loss is right on full batches only. For a sum:\n"
+            "  mask = mirrored.get_replica_context().example_mask\n"
+            "  loss = jnp.sum(jnp.where(mask, per_example_loss, 0.0))"
+        )
     loss_logger.warning(
         "%r updates mirrored parameters from a loss that mirrored.compute_average_loss did not "
         "scale. Gradients of mirrored parameters are SUMMED over the %d replicas, so a loss "
         "averaged over each replica's shard (jnp.mean, optax...(...).mean()) trains with %d× "
         "the gradient of the global batch (%d× the learning rate).\n"
-        "  Right:  loss = mirrored.compute_average_loss(per_example_loss)\n"
-        "  or:     loss = jnp.sum(per_example_loss) / GLOBAL_BATCH_SIZE\n"
-        "If the step already divides by the global batch size, silence this check with "
+        "  Right:  loss = mirrored.compute_average_loss(per_example_loss)%s\n"
+        "If the step's loss is a sum over examples (masked as above), or divides such a sum "
+        "by the global batch size, it is right: silence this check with "
         "logging.getLogger('mirrored.loss').setLevel(logging.ERROR).",
         fn_name,
         n,
         n,
         n,
+        padding,
     )
 
 

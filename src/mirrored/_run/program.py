@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mirrored._core import capture as _capture
@@ -166,9 +167,8 @@ def compile_step(
                         for patch in extension.masked_trace_patches():
                             patches.enter_context(patch())
                 out = fn(*call_args, **call_kwargs)
-            if warn:
-                after = (call_args, call_kwargs)
-                _refuse_lost_writes(fn_name, (args, kwargs), rebuilt, kinds, treedef, after)
+            after = (call_args, call_kwargs)
+            _check_writes(fn_name, (args, kwargs), rebuilt, kinds, treedef, after, plan, fresh)
         except jax.errors.TracerBoolConversionError as error:
             raise _python_branch_error(error, fn_name, eager) from error
         finally:
@@ -184,7 +184,9 @@ def compile_step(
             elif _context.is_varying(value):
                 raise _diverged_error(fn_name, args, kwargs, variable)
         if warn:  # the first of the two traces
-            _warn_per_replica_mean(fn_name, ctx, unique, state, new_state, kinds, n)
+            _warn_per_replica_mean(
+                fn_name, ctx, unique, state, new_state, kinds, n, mask is not None
+            )
             if ctx.per_replica_norm is not None and _fn_key(fn) not in target.notes:
                 note = batch_norm.small_batch_warning(fn_name, *ctx.per_replica_norm, n)
                 target.notes[_fn_key(fn)] = note
@@ -325,20 +327,41 @@ def compile_step(
     )
 
 
-def _refuse_lost_writes(
+def _check_writes(
     fn_name: str,
     original: Any,
     rebuilt: list[Any],
     kinds: str,
     treedef: Any,
     after_call: Any,
+    plan: Sequence[tuple[str, Any]],
+    fresh: list[Any],
 ) -> None:
-    """Refuse a step that assigned an array to an attribute that is not a Variable (a plain
-    `jax.Array` attribute, `nnx.data(...)`): `run` writes back Variables only, so the change
-    would be lost without a word, where `nnx.jit` on one device keeps it."""
+    """What the step assigned to attributes, as `nnx.jit` on one device keeps it.
+
+    A Variable replaced by a new one (the Flax cookbook's EMA assigns a new copy of the model
+    every step) gives its value to the Variable `run` passed, which is written back. An array
+    assigned to an attribute that is not a Variable (a plain `jax.Array` attribute,
+    `nnx.data(...)`) is refused: `run` writes back Variables only, so the change would be lost
+    without a word."""
     after, after_def = jax.tree.flatten(after_call, is_leaf=is_leaf)
     if after_def != treedef:  # static attributes changed (a mode switch): nothing to compare
         return
+    for i, ((kind, payload), old, new) in enumerate(zip(plan, rebuilt, after, strict=True)):
+        if kind == _VARIABLE and new is not old and isinstance(new, nnx.Variable):
+            value, current = new.get_raw_value(), fresh[payload].get_raw_value()
+            if jnp.shape(value) != jnp.shape(current) or jnp.result_type(value) != jnp.result_type(
+                current
+            ):
+                raise ValueError(
+                    f"strategy.run expected {fn_name!r} to keep the shape and dtype of "
+                    f"{_where(original, i)} when it replaced that Variable; found "
+                    f"{jnp.result_type(current)}{list(jnp.shape(current))} replaced by "
+                    f"{jnp.result_type(value)}{list(jnp.shape(value))}.\n"
+                    "Fix: change a Variable's shape outside the step (in the scope), then "
+                    "call run again."
+                )
+            fresh[payload].set_raw_value(value)
     changed = next(
         (
             i
@@ -349,19 +372,23 @@ def _refuse_lost_writes(
     )
     if changed is None:
         return
-    paths = jax.tree_util.tree_flatten_with_path(original, is_leaf=is_leaf)[0]
-    path = jax.tree_util.keystr(paths[changed][0][1:])
-    where = ("args" if paths[changed][0][0].idx == 0 else "kwargs") + path
     raise ValueError(
         f"strategy.run expected {fn_name!r} to change state only through nnx.Variables; found "
-        f"it assigning {where}, which is not a Variable (a plain array attribute or "
-        "nnx.data): run writes back Variables only, so the change would be lost (nnx.jit on "
-        "one device keeps it).\n"
+        f"it assigning {_where(original, changed)}, which is not a Variable (a plain array "
+        "attribute or nnx.data): run writes back Variables only, so the change would be lost "
+        "(nnx.jit on one device keeps it).\n"
         "Fix: hold the value in a Variable and update it in place, e.g.\n"
         "  self.calls = nnx.Variable(jnp.zeros((), jnp.int32))   # in __init__\n"
         "  self.calls[...] += 1                                    # in the step\n"
         "(nnx.BatchStat for a statistic the replicas average)."
     )
+
+
+def _where(original: Any, index: int) -> str:
+    """`args[0].calls`: the leaf `index` of run's (args, kwargs), as the user names it."""
+    paths = jax.tree_util.tree_flatten_with_path(original, is_leaf=is_leaf)[0]
+    path = jax.tree_util.keystr(paths[index][0][1:])
+    return ("args" if paths[index][0][0].idx == 0 else "kwargs") + path
 
 
 def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:

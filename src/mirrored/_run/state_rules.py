@@ -10,6 +10,8 @@
 | per-replica state (split, a row each)   | each replica keeps its own row      | SYNC_ON_READ     |
 
 Anything else that comes back different on each replica is an error (`ReplicaDivergenceError`).
+A Variable the step replaced by a new one first gives its value to the one `run` was given
+(`program._check_writes`); an array assigned to an attribute that is not a Variable is refused.
 """
 
 from __future__ import annotations

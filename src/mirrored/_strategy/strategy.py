@@ -20,7 +20,7 @@ from mirrored._core.devices import DeviceLike, device_name, resolve_device, reso
 from mirrored._core.values import PerReplica, ReduceOp, ValueContext
 from mirrored._data import input as _input
 from mirrored._run.runner import Runner
-from mirrored._strategy import cross_replica
+from mirrored._strategy import abstract, cross_replica
 
 logger = logging.getLogger("mirrored")
 
@@ -102,6 +102,7 @@ class Strategy:
             )
         config.use_default_compilation_cache()  # before this strategy compiles anything
         _lowering.install()
+        abstract.install()
         self._extended = Extended(devices)
         self._mesh = _mesh.make_mesh(devices)
         self._replicated = _mesh.replicated(self._mesh)
