@@ -195,11 +195,12 @@ def test_scan_over_layers_trains_as_on_one_device(devices, replicas):
         np.testing.assert_allclose(got[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-def test_stacked_dropout_keys_draw_per_replica_per_layer_and_per_step(devices):
+@pytest.mark.parametrize("replicas", [8, 2])
+def test_stacked_dropout_keys_draw_per_replica_per_layer_and_per_step(devices, replicas):
     """Each replica, layer and step its own mask, as single keys do (Dropout's rule)."""
-    strategy = mirrored.MirroredStrategy(devices)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
-        model = ScanStack(0.5, nnx.Rngs(0, dropout=1))
+        model = ScanStack(0.25, nnx.Rngs(0, dropout=1))
     same_rows = np.ones((16, 4), np.float32)  # every replica sees the same two rows
 
     def forward(model, x):
@@ -208,11 +209,11 @@ def test_stacked_dropout_keys_draw_per_replica_per_layer_and_per_step(devices):
     ((batch,),) = [(b,) for b in strategy.experimental_distribute_dataset(same_rows, batch_size=16)]
     first = np.asarray(strategy.gather(strategy.run(forward, args=(model, batch)), axis=0))
     second = np.asarray(strategy.gather(strategy.run(forward, args=(model, batch)), axis=0))
-    per_replica = first.reshape(8, 2, 4)
+    per_replica = first.reshape(replicas, -1, 4)
     zeros = per_replica == 0
     assert len({z.tobytes() for z in zeros}) > 1  # replicas drew different masks
     assert not np.array_equal(first == 0, second == 0)  # a new mask each step
-    assert 0.2 < zeros.mean() < 1.0  # dropout at 0.5 through three layers (and relu)
+    assert 0.1 < zeros.mean() < 0.95  # dropout at 0.25 through three layers (and relu)
 
 
 # -- array state outside Variables (item 1) ------------------------------------------------------
@@ -243,9 +244,10 @@ class PolyakAverage(nnx.Module):
 
 
 @pytest.mark.parametrize("holder", [lambda a: a, nnx.data], ids=["array_attribute", "nnx_data"])
-def test_array_state_outside_variables_is_refused_with_the_fix(devices, holder):
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_array_state_outside_variables_is_refused_with_the_fix(devices, holder, replicas):
     """Before: the counter ended at 0 (nnx.jit on one device: 3), with no error."""
-    strategy = mirrored.MirroredStrategy(devices)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
         model = Counting(holder, nnx.Rngs(0))
     (batch,) = list(strategy.experimental_distribute_dataset(X[:8], batch_size=8))
@@ -258,8 +260,9 @@ def test_array_state_outside_variables_is_refused_with_the_fix(devices, holder):
     assert int(fixed.calls[...]) == 3
 
 
-def test_an_optax_ema_in_nnx_data_is_refused_with_the_fix(devices):
-    strategy = mirrored.MirroredStrategy(devices)
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_an_optax_ema_in_nnx_data_is_refused_with_the_fix(devices, replicas):
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
         model = Net(nnx.Rngs(0))
         average = PolyakAverage(model)
@@ -315,8 +318,9 @@ def test_declared_aggregations_combine_the_replicas_as_one_device(devices, repli
     assert ours.positives[...].dtype == jnp.int32
 
 
-def test_an_integer_statistic_without_an_aggregation_is_refused_with_the_fix(devices):
-    strategy = mirrored.MirroredStrategy(devices)
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_an_integer_statistic_without_an_aggregation_is_refused_with_the_fix(devices, replicas):
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
         model = Tracked(nnx.Rngs(0), counter_aggregation=None)
     (batch,) = list(strategy.experimental_distribute_dataset(X[:16], batch_size=16))
@@ -336,13 +340,14 @@ def test_an_unknown_aggregation_is_refused():
 # -- host callbacks (item 2) -----------------------------------------------------------------
 
 
-def test_host_callback_results_are_per_replica(devices):
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_host_callback_results_are_per_replica(devices, replicas):
     """Before: `run` returned replica 0's rows only, `gather` 96 rows instead of 75 (replica
     0's tiled), and a Variable written from a callback held 8 different device copies under a
     replicated sharding, with no error."""
     from jax.experimental import io_callback
 
-    strategy = mirrored.MirroredStrategy(devices)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     x = np.arange(75, dtype=np.float32).reshape(75, 1)
     (batch,) = list(strategy.experimental_distribute_dataset(x, batch_size=75))
 
@@ -371,7 +376,10 @@ def test_host_callback_results_are_per_replica(devices):
 # -- Optax's extra arguments (item 6) -------------------------------------------------------
 
 
-def test_reduce_on_plateau_given_a_replicas_share_names_the_fix_and_the_fix_is_exact(devices):
+@pytest.mark.parametrize("replicas", [8, 2, 1])
+def test_reduce_on_plateau_given_a_replicas_share_names_the_fix_and_the_fix_is_exact(
+    devices, replicas
+):
     """Before: JAX's "manual axis types do not match" deep inside Optax."""
 
     def make():
@@ -399,7 +407,7 @@ def test_reduce_on_plateau_given_a_replicas_share_names_the_fix_and_the_fix_is_e
             loss = mirrored.get_replica_context().all_reduce("SUM", loss)
         optimizer.update(model, grads, value=loss)
 
-    strategy = mirrored.MirroredStrategy(devices)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
     with strategy.scope():
         model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
