@@ -237,14 +237,44 @@ def _extras_arrays(extras: Mapping[str, Any] | None) -> dict[str, Any]:
     return {_EXTRAS + name: _extra_value(name, value) for name, value in extras.items()}
 
 
+_REPLACED = ".mirrored-replaced"
+
+
+def _recover_replaced(path: str) -> None:
+    """Finish or undo a re-save of an existing step that was cut short.
+
+    Re-saving step N moves the old `N` aside to `N.mirrored-replaced`, lets Orbax write the new
+    `N` (a temporary directory renamed when complete), then deletes the old copy. A process
+    killed in between leaves the old copy and maybe no `N`: put it back (the step is then the
+    previous save's, complete), or drop it when the new `N` is complete. Idempotent; a
+    concurrent process doing the same is harmless (renames are atomic)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(_REPLACED) or not name[: -len(_REPLACED)].isdigit():
+            continue
+        aside, step_dir = os.path.join(path, name), os.path.join(path, name[: -len(_REPLACED)])
+        try:
+            if os.path.isdir(step_dir):
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, step_dir)
+        except OSError:  # another process got there first
+            continue
+
+
 def _steps(path: str) -> list[int]:
     """The complete checkpoints in `path`: the step directories Orbax names by their number.
 
     A save in progress is `<step>.orbax-checkpoint-tmp-...`; `ckpt_0003` (a Keras-style
-    layout of one directory per epoch) is a checkpoint directory of its own, not a step.
+    layout of one directory per epoch) is a checkpoint directory of its own, not a step. A
+    re-save cut short is finished or undone first (`_recover_replaced`).
     """
     if not os.path.isdir(path):
         return []
+    _recover_replaced(path)
     return sorted(
         int(name)
         for name in os.listdir(path)
@@ -284,6 +314,7 @@ class Checkpoints:
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 1) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
+        _recover_replaced(self.directory)
         # Imported on first use: Orbax costs every `import mirrored` 0.1-0.9 s otherwise.
         import orbax.checkpoint as ocp
 
@@ -294,6 +325,9 @@ class Checkpoints:
                 max_to_keep=max_to_keep,
                 enable_async_checkpointing=False,
                 create=False,
+                # A save cut short (a killed process) leaves a temporary directory, never a
+                # step: the chief removes such leftovers when it opens the directory.
+                cleanup_tmp_directories=is_chief(),
                 # Host arrays, written by process 0 alone and read by each process on its own:
                 # no cross-process barriers, which would wait for processes that never save.
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
@@ -314,7 +348,7 @@ class Checkpoints:
         # Saving a step that exists replaces it, as Keras overwrites (Orbax refuses): the old
         # one is moved aside (no longer a step) and deleted once the new one is complete.
         old = os.path.join(self.directory, str(step))
-        aside = f"{old}.mirrored-replaced"
+        aside = f"{old}{_REPLACED}"
         if os.path.isdir(old):
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(old, aside)
@@ -470,7 +504,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 
     As `tf.train.latest_checkpoint`: None when `directory` holds no checkpoint or does not
     exist (nothing is created). A save still in progress, or cut short by a crash, is Orbax's
-    temporary `<step>.orbax-checkpoint-tmp...` directory and is ignored. Pass the path to
+    temporary `<step>.orbax-checkpoint-tmp...` directory and is ignored; a re-save of an
+    existing step cut short leaves that step's previous copy, which is found. Pass the path to
     `restore_checkpoint` and `checkpoint_extras`.
 
     Example:
