@@ -2,6 +2,7 @@
 
 from mirrored import callbacks, config, debug, layers, losses, metrics, mixed_precision
 from mirrored._cluster.multiworker import MultiWorkerMirroredStrategy
+from mirrored._cluster.preemption import PreemptionCheckpointHandler, TerminationConfig
 from mirrored._cluster.resolvers import (
     ClusterResolver,
     EnvironmentClusterResolver,
@@ -54,6 +55,7 @@ __all__ = [
     "OneDeviceStrategy",
     "PeerFailureError",
     "PerReplica",
+    "PreemptionCheckpointHandler",
     "ProfileReport",
     "PythonBranchError",
     "ReduceOp",
@@ -63,6 +65,7 @@ __all__ = [
     "SlurmClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",
+    "TerminationConfig",
     "Trainer",
     "ValueContext",
     "callbacks",

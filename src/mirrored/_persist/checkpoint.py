@@ -225,7 +225,7 @@ def _extra_value(name: Any, value: Any) -> Any:
     )
 
 
-def _extras_arrays(extras: Mapping[str, Any] | None) -> dict[str, Any]:
+def extras_arrays(extras: Mapping[str, Any] | None) -> dict[str, Any]:
     """The extras as checkpoint entries under `extras/`, checked before anything is written."""
     if extras is None:
         return {}
@@ -426,7 +426,7 @@ def save_checkpoint(
     `tf.train.CheckpointManager` needs `max_to_keep`; here the newest one is kept by default.
     """
     check_max_to_keep(max_to_keep)
-    entries = _extras_arrays(extras)
+    entries = extras_arrays(extras)
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     check_built(objects, "save")
     checkpoints = Checkpoints(directory, max_to_keep=max_to_keep)

@@ -1,0 +1,253 @@
+"""TensorFlow's `PreemptionCheckpointHandler` and `TerminationConfig`.
+
+On a termination notice to any process (SIGTERM, which SLURM, Kubernetes and spot VMs send
+before they kill, or a `termination_watcher_fn` returning True), every process finishes the
+same step S, the chief writes one checkpoint tagged S, and every process exits with 42 (the
+restart code a launcher or platform recognises: `mirrored launch --max-restarts`). Creating the
+handler again after the restart restores that checkpoint, and `total_run_calls` says where the
+loop was.
+
+Several processes agree on S through JAX's preemption service (`jax.distributed` catches
+SIGTERM and spreads the notice through its coordination service;
+`multihost_utils.reached_preemption_sync_point(step)` is True on every process at the same
+step, the largest step any process had reached plus one). One process (`MirroredStrategy`,
+TensorFlow's local mode) catches SIGTERM itself and saves before its next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+
+from mirrored._persist import checkpoint as _checkpoint
+
+logger = logging.getLogger("mirrored")
+
+RESTART_EXIT_CODE = 42  # TensorFlow's default exit code after a preemption checkpoint
+_RUN_CALLS = "total_run_calls"  # the extra a preemption checkpoint carries
+WATCH_INTERVAL_S = 0.5  # how often a termination_watcher_fn is polled
+
+
+@dataclasses.dataclass
+class TerminationConfig:
+    """How a `PreemptionCheckpointHandler` learns of a termination, saves and exits.
+
+    Args:
+        termination_watcher_fn: called every 0.5 s on a background thread; True is a
+            termination notice, as SIGTERM is (without one, SIGTERM is the notice). It must
+            not block.
+        exit_fn: called after the preemption checkpoint is saved; default `sys.exit(42)`.
+        grace_period: seconds between the notice and the kill. Only 0 (save at the agreed
+            step, then exit) is supported so far.
+        save_fn: replaces the checkpoint the handler writes (called on every process at the
+            agreed step, with no arguments).
+
+    Example:
+        >>> config = mirrored.TerminationConfig(exit_fn=lambda: sys.exit(7))
+    """
+
+    termination_watcher_fn: Callable[[], bool] | None = None
+    exit_fn: Callable[[], Any] | None = None
+    grace_period: float | None = None
+    save_fn: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("termination_watcher_fn", "exit_fn", "save_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"Expected TerminationConfig({name}=...) to be a function or None; found "
+                    f"{value!r}. Fix: pass a function (e.g. {name}=lambda: ...)."
+                )
+        if self.grace_period not in (None, 0):
+            raise ValueError(
+                "Expected TerminationConfig(grace_period=...) to be None or 0; found "
+                f"{self.grace_period!r}: training on through a grace period is not supported "
+                "yet. Fix: leave it out; the handler saves at the agreed step and exits."
+            )
+
+
+def _preemption_service() -> Any:
+    """JAX's preemption sync manager when `jax.distributed` runs with it, else None."""
+    from jax._src import distributed
+
+    return distributed.global_state.preemption_sync_manager
+
+
+class PreemptionCheckpointHandler:
+    """Save one checkpoint at the same step on every process when any is told to terminate.
+
+    Created after the model and optimizer (in the strategy's scope), it restores the newest
+    checkpoint in `checkpoint_dir` if there is one. Wrap each training step in `run`: before
+    the step, a termination notice anywhere (SIGTERM, or the config's watcher) makes every
+    process stop at the same step S; the chief saves the objects of `checkpoint` with S, and
+    every process calls `exit_fn` (default `sys.exit(42)`). Started again, the handler restores
+    them and `total_run_calls` is S.
+
+    Args:
+        cluster_resolver: the job's resolver (TensorFlow's signature), or None; the process'
+            identity comes from JAX.
+        checkpoint: the objects to save, by name: `{"model": model, "optimizer": optimizer}`
+            (NNX modules and optimizers, Keras models and optimizers).
+        checkpoint_dir: the directory of the preemption checkpoint (the newest one is kept).
+        termination_config: a `TerminationConfig`; default SIGTERM, `sys.exit(42)`.
+
+    Example:
+        >>> handler = mirrored.PreemptionCheckpointHandler(
+        ...     None, {"model": model, "optimizer": optimizer}, "ckpt/preemption")
+        >>> for step in range(handler.total_run_calls, STEPS):
+        ...     loss = handler.run(distributed_train_step, next(iterator))
+
+    Differs from tf.distribute: `checkpoint` is a dict of objects, not a `tf.train.Checkpoint`;
+    the data position is the user's to restore from `total_run_calls`, as in TensorFlow.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: Any,
+        checkpoint: Mapping[str, Any],
+        checkpoint_dir: str | os.PathLike[str],
+        termination_config: TerminationConfig | None = None,
+    ) -> None:
+        if not isinstance(checkpoint, Mapping) or not checkpoint:
+            raise TypeError(
+                "Expected checkpoint to be a dict of the objects to save, e.g. {'model': "
+                f"model, 'optimizer': optimizer}}; found {checkpoint!r}. Fix: pass such a dict."
+            )
+        if not isinstance(checkpoint_dir, str | os.PathLike) or not os.fspath(checkpoint_dir):
+            raise TypeError(
+                f"Expected checkpoint_dir to be a directory path; found {checkpoint_dir!r}. "
+                "Fix: pass a path, e.g. 'ckpt/preemption'."
+            )
+        config = TerminationConfig() if termination_config is None else termination_config
+        if not isinstance(config, TerminationConfig):
+            raise TypeError(
+                "Expected termination_config to be a mirrored.TerminationConfig or None; found "
+                f"{type(config).__name__}. Fix: mirrored.TerminationConfig(exit_fn=...)."
+            )
+        self._cluster_resolver = cluster_resolver
+        self._objects = dict(checkpoint)
+        self._directory = os.path.abspath(os.fspath(checkpoint_dir))
+        self._exit_fn = config.exit_fn or (lambda: sys.exit(RESTART_EXIT_CODE))
+        self._save_fn = config.save_fn
+        self._notice = threading.Event()
+        self._stop = threading.Event()
+        self._several = _preemption_service() is not None
+        self._run_counter = self._restore()
+        if config.termination_watcher_fn is not None:
+            watcher = threading.Thread(
+                target=self._watch,
+                args=(config.termination_watcher_fn,),
+                name="mirrored-termination-watcher",
+                daemon=True,
+            )
+            watcher.start()
+        elif not self._several:  # jax.distributed's notifier catches SIGTERM otherwise
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(
+                    "Expected the PreemptionCheckpointHandler to be created in the main thread "
+                    "(Python handles SIGTERM there); found it created in "
+                    f"{threading.current_thread().name!r}. Fix: create it in the main thread, "
+                    "or pass a TerminationConfig(termination_watcher_fn=...)."
+                )
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @property
+    def total_run_calls(self) -> int:
+        """Calls of `run` so far, counting those before the restart (saved in the checkpoint)."""
+        return self._run_counter
+
+    def run(self, distributed_train_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`distributed_train_function(*args, **kwargs)`, after saving and exiting if a
+        termination notice has reached every process by now."""
+        self._check_preemption_and_maybe_checkpoint()
+        result = distributed_train_function(*args, **kwargs)
+        self._run_counter += 1
+        return result
+
+    @contextlib.contextmanager
+    def watch_preemption_scope(self) -> Iterator[None]:
+        """Nothing to do with these strategies (TensorFlow's is for TPUStrategy); kept so that
+        code written for it runs unchanged."""
+        yield
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        self._notice.set()
+
+    def _watch(self, watcher: Callable[[], bool]) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            if watcher():
+                if self._several:  # JAX's notifier spreads a SIGTERM to every process
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    self._notice.set()
+                return
+
+    def _preempted(self) -> bool:
+        if self._several:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(self._run_counter))
+        return self._notice.is_set()
+
+    def _check_preemption_and_maybe_checkpoint(self) -> None:
+        if not self._preempted():
+            return
+        step = self._run_counter
+        self._stop.set()
+        print(
+            f"mirrored: preempted at step {step} (process {jax.process_index()}): saving a "
+            f"checkpoint in {self._directory}, then exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self._save_fn is not None:
+            self._save_fn()
+        else:
+            self._save(step)
+        logger.info("Preemption checkpoint %d saved in %s", step, self._directory)
+        self._exit_fn()
+
+    def _save(self, step: int) -> None:
+        _checkpoint.check_built(self._objects, "save")
+        arrays = _checkpoint.state_arrays(self._objects)  # every process (per-replica sums)
+        extras = _checkpoint.extras_arrays({_RUN_CALLS: step})
+        checkpoints = _checkpoint.Checkpoints(self._directory, max_to_keep=1)
+        try:
+            checkpoints.save(step, {**arrays, **extras})
+        finally:
+            checkpoints.close()
+
+    def _restore(self) -> int:
+        """The newest checkpoint's objects restored; its run count (0 without one)."""
+        if _checkpoint.latest_checkpoint(self._directory) is None:
+            return 0
+        _checkpoint.check_built(self._objects, "restore")
+        checkpoints = _checkpoint.Checkpoints(self._directory, max_to_keep=None)
+        try:
+            step = checkpoints.latest()
+            arrays = checkpoints.restore(_checkpoint.state_arrays(self._objects), step)
+            extras = checkpoints.extras(step)
+        finally:
+            checkpoints.close()
+        _checkpoint.load_state_arrays(self._objects, arrays, self._directory)
+        calls = int(extras.get(_RUN_CALLS, step if step is not None else 0))
+        print(
+            f"mirrored: restored the preemption checkpoint at step {calls} from "
+            f"{self._directory}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return calls

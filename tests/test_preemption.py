@@ -1,0 +1,160 @@
+"""TensorFlow's PreemptionCheckpointHandler (issue 35): a termination notice to any process
+makes every process stop at the same step S, the chief saves one checkpoint tagged S, all
+exit 42; started again, the loop resumes from S and ends bit-identical to an uninterrupted
+run (parameters and Adam state, whose count proves no step was lost or repeated)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import mirrored
+from _helpers import subprocess_env
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "_preempt_script.py")
+
+
+def _one_process(out, *extra):
+    command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(out), *extra]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=HERE, env=subprocess_env(), check=False
+    )
+
+
+def _launch(out, n, k, *extra):
+    command = ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "launch"]
+    command += ["-n", str(n), "--devices-per-process", str(k), "--grace", "3", SCRIPT]
+    command += [str(out), "--workers", *extra]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=HERE, env=subprocess_env(), check=False
+    )
+
+
+def _result(out):
+    return dict(np.load(out / "result.npz"))
+
+
+def _assert_bitwise_equal(resumed, reference):
+    assert resumed.keys() == reference.keys()
+    for name in reference:
+        if name != "ran":
+            np.testing.assert_array_equal(resumed[name], reference[name], err_msg=name)
+    counts = [name for name in reference if name.endswith("count")]
+    assert counts and all(int(reference[c]) == reference["ran"][1] for c in counts)
+
+
+def _preempted_steps(output):
+    return {int(s) for s in re.findall(r"preempted at step (\d+)", output)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run = _one_process(out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _result(out)
+
+
+def test_sigterm_saves_the_step_exits_42_and_a_restart_resumes_bitwise(tmp_path, uninterrupted):
+    """One process (TensorFlow's local mode). Before: SIGTERM killed it at once (-15), nothing
+    saved."""
+    preempted = _one_process(tmp_path, "--sigterm-rank", "0", "--sigterm-at", "3")
+    assert preempted.returncode == 42, preempted.stderr[-3000:]
+    assert _preempted_steps(preempted.stderr) == {4}  # the signal came during step 3
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == ["4"]
+    resumed = _one_process(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "starts at step 4" in resumed.stdout
+    result = _result(tmp_path)
+    assert list(result["ran"]) == [4, 8]
+    _assert_bitwise_equal(result, uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("options", "code", "saved"),
+    [
+        (["--exit-code", "7"], 7, True),  # exit_fn
+        (["--no-save"], 42, False),  # a save_fn that saves nothing: TF's test_passed_in_save_fn
+    ],
+    ids=["exit_fn", "save_fn"],
+)
+def test_termination_config_replaces_the_exit_and_the_save(tmp_path, options, code, saved):
+    run = _one_process(tmp_path, "--sigterm-rank", "0", "--sigterm-at", "2", *options)
+    assert run.returncode == code, run.stderr[-3000:]
+    assert (tmp_path / "preemption" / "3").exists() == saved
+
+
+def test_a_termination_watcher_acts_as_sigterm(tmp_path):
+    flag = tmp_path / "terminate-now"
+    run = _one_process(
+        tmp_path, "--steps", "40", "--watch-file", str(flag), "--touch-at", "2", "--pause", "0.1"
+    )
+    assert run.returncode == 42, run.stderr[-3000:]
+    (step,) = _preempted_steps(run.stderr)
+    assert 3 <= step < 40
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="dict of the objects to save"):
+        mirrored.PreemptionCheckpointHandler(None, model, tmp_path)
+    with pytest.raises(TypeError, match="checkpoint_dir to be a directory path"):
+        mirrored.PreemptionCheckpointHandler(None, {"model": model}, None)
+    with pytest.raises(TypeError, match="mirrored.TerminationConfig"):
+        mirrored.PreemptionCheckpointHandler(None, {"model": model}, tmp_path, {"exit_fn": 1})
+    with pytest.raises(TypeError, match=r"exit_fn=\.\.\.\) to be a function"):
+        mirrored.TerminationConfig(exit_fn=42)
+    with pytest.raises(ValueError, match="grace period is not supported yet"):
+        mirrored.TerminationConfig(grace_period=5)
+
+
+# -- several processes: JAX's preemption service agrees on the step ------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_worker_stops_every_worker_at_one_step_and_the_restart_is_bitwise(tmp_path):
+    """2 processes x 2 devices. Before: the SIGTERMed worker trained on to the end (JAX's
+    notifier only set a flag), rc 0, nothing saved."""
+    steps = ["--steps", "30", "--pause", "0.1"]
+    reference = _launch(tmp_path / "reference", 2, 2, *steps)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    out = tmp_path / "run"
+    preempted = _launch(out, 2, 2, *steps, "--sigterm-rank", "1", "--sigterm-at", "3")
+    assert preempted.returncode == 42, preempted.stdout[-3000:]
+    agreed = _preempted_steps(preempted.stdout)
+    assert len(agreed) == 1, preempted.stdout[-3000:]  # one step, every process
+    (step,) = agreed
+    assert preempted.stdout.count(f"preempted at step {step}") == 2
+    assert sorted(p.name for p in (out / "preemption").iterdir()) == [str(step)]
+    resumed = _launch(out, 2, 2, *steps)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    result = _result(out)
+    assert list(result["ran"]) == [step, 30]
+    _assert_bitwise_equal(result, _result(tmp_path / "reference"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_chief_of_four_stops_all_four_at_one_step(tmp_path):
+    run = _launch(
+        tmp_path,
+        4,
+        1,
+        "--steps",
+        "30",
+        "--pause",
+        "0.1",
+        "--sigterm-rank",
+        "0",
+        "--sigterm-at",
+        "2",
+    )
+    assert run.returncode == 42, run.stdout[-3000:]
+    (step,) = _preempted_steps(run.stdout)
+    assert run.stdout.count(f"preempted at step {step}") == 4
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
