@@ -245,8 +245,7 @@ class PreemptionCheckpointHandler:
         _checkpoint.load_state_arrays(self._objects, arrays, self._directory)
         calls = int(extras.get(_RUN_CALLS, step if step is not None else 0))
         print(
-            f"mirrored: restored the preemption checkpoint at step {calls} from "
-            f"{self._directory}",
+            f"mirrored: restored the preemption checkpoint at step {calls} from {self._directory}",
             file=sys.stderr,
             flush=True,
         )
