@@ -68,7 +68,8 @@ handler = mirrored.PreemptionCheckpointHandler(
     mirrored.TerminationConfig(**options),
 )
 start = handler.total_run_calls
-print(f"process {rank} starts at step {start}", flush=True)
+restart = os.environ.get("MIRRORED_RESTART_COUNT", "-")
+print(f"process {rank} starts at step {start} (restart {restart})", flush=True)
 batches = global_batches(args.steps, 32)
 
 

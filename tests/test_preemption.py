@@ -3,9 +3,12 @@ makes every process stop at the same step S, the chief saves one checkpoint tagg
 exit 42; started again, the loop resumes from S and ends bit-identical to an uninterrupted
 run (parameters and Adam state, whose count proves no step was lost or repeated)."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +29,28 @@ def _one_process(out, *extra):
     )
 
 
-def _launch(out, n, k, *extra):
+def _launch_command(out, n, k, *extra, launcher=()):
     command = ["timeout", "-k", "10", "240", sys.executable, "-m", "mirrored.cli", "launch"]
-    command += ["-n", str(n), "--devices-per-process", str(k), "--grace", "3", SCRIPT]
-    command += [str(out), "--workers", *extra]
+    command += ["-n", str(n), "--devices-per-process", str(k), "--grace", "10", *launcher]
+    return [*command, SCRIPT, str(out), "--workers", *extra]
+
+
+def _launch(out, n, k, *extra, launcher=()):
     return subprocess.run(
-        command, capture_output=True, text=True, cwd=HERE, env=subprocess_env(), check=False
+        _launch_command(out, n, k, *extra, launcher=launcher),
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        env=subprocess_env(),
+        check=False,
     )
+
+
+def _none_left(out):
+    """Every worker that wrote a pid file has exited."""
+    for pid_file in out.glob("pid.*"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
 
 
 def _result(out):
@@ -117,13 +135,25 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
 # -- several processes: JAX's preemption service agrees on the step ------------------------------
 
 
+STEPS = ["--steps", "30", "--pause", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(tmp_path_factory):
+    """An uninterrupted 2-process x 2-device run."""
+    out = tmp_path_factory.mktemp("reference")
+    run = _launch(out, 2, 2, *STEPS)
+    assert run.returncode == 0, run.stdout[-3000:]
+    return _result(out)
+
+
 @pytest.mark.slow
-def test_sigterm_to_a_worker_stops_every_worker_at_one_step_and_the_restart_is_bitwise(tmp_path):
+def test_sigterm_to_a_worker_stops_every_worker_at_one_step_and_the_restart_is_bitwise(
+    tmp_path, two_process_reference
+):
     """2 processes x 2 devices. Before: the SIGTERMed worker trained on to the end (JAX's
     notifier only set a flag), rc 0, nothing saved."""
-    steps = ["--steps", "30", "--pause", "0.1"]
-    reference = _launch(tmp_path / "reference", 2, 2, *steps)
-    assert reference.returncode == 0, reference.stdout[-3000:]
+    steps = STEPS
     out = tmp_path / "run"
     preempted = _launch(out, 2, 2, *steps, "--sigterm-rank", "1", "--sigterm-at", "3")
     assert preempted.returncode == 42, preempted.stdout[-3000:]
@@ -136,7 +166,8 @@ def test_sigterm_to_a_worker_stops_every_worker_at_one_step_and_the_restart_is_b
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     result = _result(out)
     assert list(result["ran"]) == [step, 30]
-    _assert_bitwise_equal(result, _result(tmp_path / "reference"))
+    _assert_bitwise_equal(result, two_process_reference)
+    _none_left(out)
 
 
 @pytest.mark.slow
@@ -158,3 +189,70 @@ def test_sigterm_to_the_chief_of_four_stops_all_four_at_one_step(tmp_path):
     (step,) = _preempted_steps(run.stdout)
     assert run.stdout.count(f"preempted at step {step}") == 4
     assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
+
+
+# -- mirrored launch --max-restarts, and SIGTERM to the launcher (item 4) ---------------------
+
+
+@pytest.mark.slow
+def test_the_launcher_restarts_a_preempted_job_which_resumes_bitwise(
+    tmp_path, two_process_reference
+):
+    """torchrun's --max-restarts: the workers exit 42 after the preemption checkpoint, the
+    launcher starts them all again (MIRRORED_RESTART_COUNT=1), they resume from the agreed
+    step and end bit-identical to an uninterrupted run."""
+    run = _launch(
+        tmp_path,
+        2,
+        2,
+        *STEPS,
+        "--sigterm-rank",
+        "1",
+        "--sigterm-at",
+        "3",
+        launcher=("--max-restarts", "1"),
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    (step,) = _preempted_steps(run.stdout)
+    assert re.search(
+        r"worker \d exited with code 42; restarting all 2 workers \(restart 1/1\)", run.stdout
+    )
+    assert f"process 0 starts at step {step} (restart 1)" in run.stdout
+    result = _result(tmp_path)
+    assert list(result["ran"]) == [step, 30]
+    _assert_bitwise_equal(result, two_process_reference)
+    _none_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_once_and_exits_42_without_restarting(tmp_path):
+    """Before: the launcher died and both workers trained on, orphaned."""
+    command = _launch_command(
+        tmp_path, 2, 2, "--steps", "200", "--pause", "0.1", launcher=("--max-restarts", "3")
+    )
+    launcher = subprocess.Popen(
+        command[4:],  # without `timeout`: the signal goes to the launcher itself
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=HERE,
+        env=subprocess_env(),
+    )
+    try:
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if sum("starts at step" in seen for seen in lines) == 2:
+                break
+        time.sleep(1.0)  # a few steps in
+        launcher.send_signal(signal.SIGTERM)
+        output = "".join(lines) + launcher.communicate(timeout=60)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 42, output[-3000:]
+    (step,) = _preempted_steps(output)
+    assert output.count(f"preempted at step {step}") == 2
+    assert "exiting 42 without a restart" in output and "restarting" not in output
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
+    _none_left(tmp_path)

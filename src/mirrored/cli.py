@@ -197,10 +197,19 @@ def launch(
         None, "--devices-per-process", min=1, help="Simulated CPU devices in each worker."
     ),
     grace: float = typer.Option(5.0, help="Seconds between SIGTERM and SIGKILL on failure."),
+    max_restarts: int = typer.Option(
+        0,
+        "--max-restarts",
+        min=0,
+        help="Restart every worker after a failure (exit 42 included), at most this often.",
+    ),
 ) -> None:
     """Run SCRIPT [ARGS]... as N local workers of a MultiWorkerMirroredStrategy job.
 
     SCRIPT is a .py file (run with this Python) or a program; every worker gets the same ARGS.
+    After a failure every worker is started again, up to --max-restarts times
+    (MIRRORED_RESTART_COUNT tells them which start this is); SIGTERM to the launcher reaches
+    the workers, whose PreemptionCheckpointHandler saves, and the launcher exits 42.
     """
     import sys
 
@@ -216,6 +225,7 @@ def launch(
         num_processes=num_processes,
         devices_per_process=devices_per_process,
         grace_s=grace,
+        max_restarts=max_restarts,
     )
     raise typer.Exit(code)
 

@@ -75,21 +75,71 @@ def _stop(processes: Sequence[subprocess.Popen[str]], grace_s: float) -> None:
         p.wait()
 
 
+RESTART_COUNT_ENV = "MIRRORED_RESTART_COUNT"  # torchrun: TORCHELASTIC_RESTART_COUNT
+PREEMPTED_EXIT_CODE = 42  # what PreemptionCheckpointHandler exits with
+
+
 def launch(
     command: Sequence[str],
     *,
     num_processes: int,
     devices_per_process: int | None = None,
     grace_s: float = 5.0,
+    max_restarts: int = 0,
 ) -> int:
-    """Run `command` as `num_processes` workers on 127.0.0.1; returns the first failure's code.
+    """Run `command` as `num_processes` workers on 127.0.0.1; returns the last attempt's code.
 
     Each output line is prefixed with its rank; gloo's "Rank i is connected to n peer ranks"
     lines are left out unless a peer is missing. When a worker fails, the others are stopped
-    (SIGTERM, then SIGKILL after `grace_s`), so nothing of the job is left running.
+    (SIGTERM, then SIGKILL after `grace_s`), so nothing of the job is left running; then, up to
+    `max_restarts` times, every worker is started again on a fresh coordinator port (42, a
+    preemption checkpoint's exit, included), with `MIRRORED_RESTART_COUNT` set. SIGTERM to the
+    launcher is passed on to the workers (each saves its preemption checkpoint), leftovers are
+    killed after `grace_s`, and the launcher exits 42 without restarting.
     """
     if num_processes < 1:
         raise ValueError(f"Expected at least one process; found -n {num_processes}.")
+    if max_restarts < 0:
+        raise ValueError(f"Expected --max-restarts to be 0 or more; found {max_restarts}.")
+    terminated = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    try:
+        attempt = 0
+        while True:
+            rank, code = _attempt(
+                command, num_processes, devices_per_process, grace_s, attempt, terminated
+            )
+            if terminated.is_set():
+                print(
+                    f"mirrored launch: SIGTERM passed on to the {num_processes} workers; "
+                    f"exiting {PREEMPTED_EXIT_CODE} without a restart",
+                    flush=True,
+                )
+                return PREEMPTED_EXIT_CODE
+            if code == 0 or attempt >= max_restarts:
+                return code
+            attempt += 1
+            print(
+                f"mirrored launch: worker {rank} exited with code {code}; restarting all "
+                f"{num_processes} workers (restart {attempt}/{max_restarts})",
+                flush=True,
+            )
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _attempt(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None,
+    grace_s: float,
+    restart: int,
+    terminated: threading.Event,
+) -> tuple[int, int]:
+    """One start of every worker: (the first failing rank, its code), or (-1, 0)."""
     port = free_port()
     lock = threading.Lock()
     processes: list[subprocess.Popen[str]] = []
@@ -102,6 +152,7 @@ def launch(
             MIRRORED_PROCESS_ID=str(rank),
             PYTHONUNBUFFERED="1",
         )
+        env[RESTART_COUNT_ENV] = str(restart)
         if devices_per_process:
             env["MIRRORED_LOCAL_DEVICES"] = str(devices_per_process)
         process = subprocess.Popen(
@@ -116,11 +167,14 @@ def launch(
         pump = threading.Thread(target=_pump, args=(process.stdout, rank, lock), daemon=True)
         pump.start()
         pumps.append(pump)
-    failure = 0
+    failure = (-1, 0)
     try:
         while True:
+            if terminated.is_set():
+                _stop(processes, grace_s)  # SIGTERM: each worker's preemption checkpoint
+                break
             codes = [p.poll() for p in processes]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 failure = failed[0]
                 _stop(processes, grace_s)
@@ -130,9 +184,10 @@ def launch(
             time.sleep(0.05)
     except KeyboardInterrupt:
         _stop(processes, grace_s)
-        failure = 130
+        failure = (-1, 130)
     for pump in pumps:
         pump.join(timeout=5)
-    if failure < 0:  # killed by a signal: report it the way shells do
-        failure = 128 - failure
-    return failure
+    rank, code = failure
+    if code < 0:  # killed by a signal: report it the way shells do
+        code = 128 - code
+    return rank, code
