@@ -27,11 +27,22 @@ class KillAt(mirrored.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermAt(KillAt):
+    """SIGTERM this process after `step` training steps: a preemption notice mid-epoch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("backup_dir")
     parser.add_argument("out")
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--sigterm-at", type=int, default=0)
+    parser.add_argument("--preemption", action="store_true")  # save_before_preemption only
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 12)).astype(np.float32)
@@ -46,9 +57,17 @@ def main() -> None:
             ["accuracy"],
             from_logits=True,
         )
-    callbacks = [mirrored.callbacks.BackupAndRestore(args.backup_dir, save_freq=3)]
+    if args.preemption:
+        backup = mirrored.callbacks.BackupAndRestore(
+            args.backup_dir, save_freq=False, save_before_preemption=True
+        )
+    else:
+        backup = mirrored.callbacks.BackupAndRestore(args.backup_dir, save_freq=3)
+    callbacks = [backup]
     if args.kill_at:
         callbacks.append(KillAt(args.kill_at))
+    if args.sigterm_at:
+        callbacks.append(SigtermAt(args.sigterm_at))
     history = trainer.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=0, seed=7)
     state = {
         "/".join(map(str, p)): np.asarray(v.get_value())

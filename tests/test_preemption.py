@@ -256,3 +256,48 @@ def test_sigterm_to_the_launcher_saves_once_and_exits_42_without_restarting(tmp_
     assert "exiting 42 without a restart" in output and "restarting" not in output
     assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
     _none_left(tmp_path)
+
+
+# -- fit: BackupAndRestore(save_before_preemption=True) (item 3) ---------------------------------
+
+
+def _fit(backup, out, *extra):
+    command = ["timeout", "-k", "10", "240", sys.executable, str(HERE / "_fit_script.py")]
+    return subprocess.run(
+        [*command, str(backup), str(out), "--preemption", *extra],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=HERE,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_a_preempted_fit_backs_up_exits_42_and_resumes_bitwise(tmp_path):
+    """tf-keras' BackupAndRestore(save_freq=False, save_before_preemption=True): SIGTERM in
+    epoch 2 (200 rows in batches of 32: 7 steps an epoch) backs up at the next step and exits
+    42; the rerun resumes there and ends as a fit never interrupted. Before: SIGTERM killed
+    the process (-15) with nothing saved."""
+    clean = _fit(tmp_path / "clean_backup", tmp_path / "clean.npz")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    preempted = _fit(tmp_path / "backup", tmp_path / "x.npz", "--sigterm-at", "10")
+    assert preempted.returncode == 42, preempted.stderr[-3000:]
+    assert _preempted_steps(preempted.stderr) == {11}  # the step after the signal
+    assert len(list((tmp_path / "backup").iterdir())) == 1  # the preemption backup, kept
+    resumed = _fit(tmp_path / "backup", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = np.load(tmp_path / "clean.npz"), np.load(tmp_path / "resumed.npz")
+    assert set(expected.files) == set(got.files)
+    for name in expected.files:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not (tmp_path / "backup").exists()  # deleted after the completed fit
+
+
+def test_save_freq_false_needs_save_before_preemption():
+    with pytest.raises(ValueError, match=r"save_freq=False.*save_before_preemption=True"):
+        mirrored.callbacks.BackupAndRestore("backup", save_freq=False)
+    callback = mirrored.callbacks.BackupAndRestore(
+        "backup", save_freq=False, save_before_preemption=True
+    )
+    assert callback.save_freq is False and callback.save_before_preemption

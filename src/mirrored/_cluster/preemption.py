@@ -83,6 +83,76 @@ def _preemption_service() -> Any:
     return distributed.global_state.preemption_sync_manager
 
 
+class TerminationNotice:
+    """Whether a termination notice (SIGTERM, or `watcher_fn` returning True) has reached
+    every process by a given step.
+
+    With several processes, JAX's preemption service agrees on the step: `reached(step)` is
+    True on every process at the same step, the largest any had reached plus one; the
+    processes must call it at every step, with the same numbers. With one, a SIGTERM handler
+    (installed while the notice is open) sets a flag that `reached` reads.
+    """
+
+    def __init__(self, watcher_fn: Callable[[], bool] | None = None) -> None:
+        self._several = _preemption_service() is not None
+        self._flag = threading.Event()
+        self._stop = threading.Event()
+        self._previous: Any = None
+        if watcher_fn is not None:
+            threading.Thread(
+                target=self._watch,
+                args=(watcher_fn,),
+                name="mirrored-termination-watcher",
+                daemon=True,
+            ).start()
+        elif not self._several:  # jax.distributed's notifier catches SIGTERM otherwise
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(
+                    "Expected to watch for SIGTERM from the main thread (Python handles "
+                    f"signals there); found {threading.current_thread().name!r}. Fix: train "
+                    "from the main thread, or pass TerminationConfig(termination_watcher_fn=...)."
+                )
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        self._flag.set()
+
+    def _watch(self, watcher: Callable[[], bool]) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            if watcher():
+                if self._several:  # JAX's notifier spreads a SIGTERM to every process
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    self._flag.set()
+                return
+
+    def reached(self, step: int) -> bool:
+        """Whether every process stops at `step` (call it before every step, in order)."""
+        if self._several:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        return self._flag.is_set()
+
+    def close(self) -> None:
+        """Stop watching; the SIGTERM handler that was there before is back."""
+        self._stop.set()
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def announce(step: int, directory: str) -> None:
+    """The line every process prints when it stops for a preemption."""
+    print(
+        f"mirrored: preempted at step {step} (process {jax.process_index()}): saving a "
+        f"checkpoint in {directory}, then exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class PreemptionCheckpointHandler:
     """Save one checkpoint at the same step on every process when any is told to terminate.
 
@@ -139,27 +209,8 @@ class PreemptionCheckpointHandler:
         self._directory = os.path.abspath(os.fspath(checkpoint_dir))
         self._exit_fn = config.exit_fn or (lambda: sys.exit(RESTART_EXIT_CODE))
         self._save_fn = config.save_fn
-        self._notice = threading.Event()
-        self._stop = threading.Event()
-        self._several = _preemption_service() is not None
         self._run_counter = self._restore()
-        if config.termination_watcher_fn is not None:
-            watcher = threading.Thread(
-                target=self._watch,
-                args=(config.termination_watcher_fn,),
-                name="mirrored-termination-watcher",
-                daemon=True,
-            )
-            watcher.start()
-        elif not self._several:  # jax.distributed's notifier catches SIGTERM otherwise
-            if threading.current_thread() is not threading.main_thread():
-                raise RuntimeError(
-                    "Expected the PreemptionCheckpointHandler to be created in the main thread "
-                    "(Python handles SIGTERM there); found it created in "
-                    f"{threading.current_thread().name!r}. Fix: create it in the main thread, "
-                    "or pass a TerminationConfig(termination_watcher_fn=...)."
-                )
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._notice = TerminationNotice(config.termination_watcher_fn)
 
     @property
     def total_run_calls(self) -> int:
@@ -182,37 +233,12 @@ class PreemptionCheckpointHandler:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        del signum, frame
-        self._notice.set()
-
-    def _watch(self, watcher: Callable[[], bool]) -> None:
-        while not self._stop.wait(WATCH_INTERVAL_S):
-            if watcher():
-                if self._several:  # JAX's notifier spreads a SIGTERM to every process
-                    os.kill(os.getpid(), signal.SIGTERM)
-                else:
-                    self._notice.set()
-                return
-
-    def _preempted(self) -> bool:
-        if self._several:
-            from jax.experimental import multihost_utils
-
-            return bool(multihost_utils.reached_preemption_sync_point(self._run_counter))
-        return self._notice.is_set()
-
     def _check_preemption_and_maybe_checkpoint(self) -> None:
-        if not self._preempted():
-            return
         step = self._run_counter
-        self._stop.set()
-        print(
-            f"mirrored: preempted at step {step} (process {jax.process_index()}): saving a "
-            f"checkpoint in {self._directory}, then exiting",
-            file=sys.stderr,
-            flush=True,
-        )
+        if not self._notice.reached(step):
+            return
+        self._notice.close()
+        announce(step, self._directory)
         if self._save_fn is not None:
             self._save_fn()
         else:

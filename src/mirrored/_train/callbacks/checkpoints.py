@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 
 import numpy as np
 
+from mirrored._cluster import preemption
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.monitoring import _improved, _monitored
@@ -75,26 +77,43 @@ class BackupAndRestore(Callback):
     continues; a `fit` that completes deletes it (unless `delete_checkpoint=False`). Only the
     newest backup is kept (one step directory in `backup_dir`), as in Keras; that is all a
     resumed `fit` needs, so it is not an option. Keep checkpoints with `ModelCheckpoint`.
+
+    With `save_before_preemption=True` (tf-keras' name), a termination notice to any process
+    (SIGTERM) makes every process back up at one agreed step and exit 42, for a launcher
+    (`mirrored launch --max-restarts`) or platform to restart the job, which resumes there;
+    `save_freq=False` then backs up at preemptions only.
     """
 
     def __init__(
         self,
         backup_dir: str | os.PathLike[str],
         *,
-        save_freq: str | int = "epoch",
+        save_freq: str | int | bool = "epoch",
         delete_checkpoint: bool = True,
+        save_before_preemption: bool = False,
     ) -> None:
-        if save_freq != "epoch" and (
+        if save_freq is False:
+            if not save_before_preemption:
+                raise ValueError(
+                    "Expected save_freq=False (no regular backups) only with "
+                    "save_before_preemption=True; found save_before_preemption=False, which "
+                    "would back up nothing. Fix: pass save_before_preemption=True, or "
+                    "save_freq='epoch' or a number of steps."
+                )
+        elif save_freq != "epoch" and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
             raise ValueError(
-                f"Expected save_freq to be 'epoch' or a positive number of steps; found "
+                f"Expected save_freq to be 'epoch', a positive number of steps or False; found "
                 f"{save_freq!r}."
             )
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = bool(save_before_preemption)
         self._steps_done = 0
+        self._notice: preemption.TerminationNotice | None = None
+        self._batches = 0
 
     def _save(self, epoch: int, step: int) -> None:
         arrays = self.trainer._training_state()
@@ -105,6 +124,9 @@ class BackupAndRestore(Callback):
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
         self._checkpoints = _checkpoint.Checkpoints(self.backup_dir, max_to_keep=1)
+        if self.save_before_preemption:
+            self._batches = 0
+            self._notice = preemption.TerminationNotice()
         latest = self._checkpoints.latest()
         if latest is None:
             return
@@ -119,13 +141,30 @@ class BackupAndRestore(Callback):
         logger.info("BackupAndRestore: resuming at epoch %d, step %d", epoch + 1, step)
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
-        if self.save_freq != "epoch" and (batch + 1) % int(self.save_freq) == 0:
+        if self.save_freq not in ("epoch", False) and (batch + 1) % int(self.save_freq) == 0:
             self._save(self.trainer._epoch, batch + 1)
+        if self._notice is not None:
+            self._batches += 1  # the same count on every process: the agreed step's number
+            if self._notice.reached(self._batches):
+                self._preempted(batch)
+
+    def _preempted(self, batch: int) -> None:
+        """Back up here (every process agreed on this step) and exit 42."""
+        assert self._notice is not None
+        self._notice.close()
+        preemption.announce(self._batches, self.backup_dir)
+        self._save(self.trainer._epoch, batch + 1)
+        self._checkpoints.close()
+        sys.exit(preemption.RESTART_EXIT_CODE)
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
-        self._save(epoch + 1, 0)
+        if self.save_freq is not False:
+            self._save(epoch + 1, 0)
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
+        if self._notice is not None:
+            self._notice.close()
+            self._notice = None
         self._checkpoints.close()
         if self.delete_checkpoint and not self.trainer._interrupted and _checkpoint.is_chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)
