@@ -301,3 +301,16 @@ def test_save_freq_false_needs_save_before_preemption():
         "backup", save_freq=False, save_before_preemption=True
     )
     assert callback.save_freq is False and callback.save_before_preemption
+
+
+def test_one_process_under_the_launcher_restarts_and_resumes_bitwise(tmp_path, uninterrupted):
+    """Item 9: `mirrored launch -n 1 --max-restarts 1`, SIGTERM during step 3."""
+    run = _launch(
+        tmp_path, 1, 2, "--sigterm-rank", "0", "--sigterm-at", "3", launcher=("--max-restarts", "1")
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert _preempted_steps(run.stdout) == {4}
+    assert "restarting all 1 workers (restart 1/1)" in run.stdout
+    result = _result(tmp_path)
+    assert list(result["ran"]) == [4, 8]
+    _assert_bitwise_equal(result, uninterrupted)
