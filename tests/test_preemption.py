@@ -314,3 +314,56 @@ def test_one_process_under_the_launcher_restarts_and_resumes_bitwise(tmp_path, u
     result = _result(tmp_path)
     assert list(result["ran"]) == [4, 8]
     _assert_bitwise_equal(result, uninterrupted)
+
+
+# -- where users run it: Kubeflow Trainer's jax-distributed runtime (item 10) -------------------
+
+
+def test_kubeflow_variables_resolve_the_cluster(monkeypatch):
+    from mirrored._cluster.resolvers import resolve_cluster
+
+    for name in ("MIRRORED_COORDINATOR_ADDRESS", "TF_CONFIG", "SLURM_NTASKS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "trainer-node-0:1234")
+    assert resolve_cluster() is None  # JAX's own override alone: not a cluster by itself
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    with pytest.raises(ValueError, match=r"(?s)JAX_PROCESS_ID.*missing.*set all three"):
+        resolve_cluster()
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    resolver = resolve_cluster()
+    assert (resolver.coordinator_address, resolver.num_processes, resolver.process_id) == (
+        "trainer-node-0:1234",
+        4,
+        2,
+    )
+    monkeypatch.setenv("JAX_PROCESS_ID", "two")
+    with pytest.raises(ValueError, match="malformed"):
+        resolve_cluster()
+
+
+@pytest.mark.slow
+def test_preemption_under_kubeflow_variables(tmp_path):
+    """Two processes started with the variables Kubeflow Trainer sets (no launcher): SIGTERM to
+    one stops both at one step with exit 42, as under `mirrored launch`."""
+    from mirrored._cluster.launch import free_port
+
+    env = subprocess_env()
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
+    command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
+    command += [*STEPS, "--sigterm-rank", "1", "--sigterm-at", "3"]
+    workers = [
+        subprocess.Popen(
+            command,
+            env={**env, "JAX_PROCESS_ID": str(rank)},
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [worker.communicate(timeout=150)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [42, 42], outputs[0][-2000:]
+    (step,) = _preempted_steps("".join(outputs))
+    assert all(f"preempted at step {step}" in output for output in outputs)
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]

@@ -187,10 +187,37 @@ class EnvironmentClusterResolver(ClusterResolver):
         )
 
 
+_JAX_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def _from_jax_variables(env: Mapping[str, str]) -> ClusterResolver | None:
+    """Kubeflow Trainer's `jax-distributed` runtime: JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID (JAX itself reads only the first)."""
+    present = [name for name in _JAX_VARIABLES if env.get(name)]
+    if not present or present == ["JAX_COORDINATOR_ADDRESS"]:  # JAX's own override alone
+        return None
+    missing = [name for name in _JAX_VARIABLES if name not in present]
+    try:
+        if missing:
+            raise ValueError(f"{missing} missing")
+        return ClusterResolver(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
+    except ValueError as error:
+        raise ValueError(
+            f"Expected {', '.join(_JAX_VARIABLES)} (Kubeflow Trainer's jax-distributed "
+            f"runtime): an address host:port and two integers; found them incomplete or "
+            f"malformed ({error}). Fix: set all three, or none."
+        ) from error
+
+
 def resolve_cluster() -> ClusterResolver | None:
     """The cluster this process belongs to, from its environment; None when it runs alone.
 
-    First match: `mirrored launch`'s variables, `TF_CONFIG`, then the environments
+    First match: `mirrored launch`'s variables, `TF_CONFIG`, Kubeflow Trainer's
+    `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, then the environments
     `jax.distributed.initialize()` detects from variables alone, in JAX's order: Open MPI
     (`mpirun`), SLURM (`srun`).
     """
@@ -199,6 +226,9 @@ def resolve_cluster() -> ClusterResolver | None:
         return EnvironmentClusterResolver()
     if env.get("TF_CONFIG"):
         return TFConfigClusterResolver()
+    kubeflow = _from_jax_variables(env)
+    if kubeflow is not None:
+        return kubeflow
     if OmpiCluster.is_env_present():
         try:
             return ClusterResolver(**_from_jax_cluster(OmpiCluster, None))
