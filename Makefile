@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/keras_models.py
 	$(BIN)/python benchmarks/time_to_first_step.py
 	$(BIN)/python benchmarks/debugging.py
+	$(BIN)/python benchmarks/preemption_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -59,19 +59,22 @@ def mnist_dataset():
 
 
 class ShuffledBatches:
-    """Per-replica batches in a new order every pass: tf.data's `.shuffle(...).batch(...)`.
+    """Per-replica batches in a new order every epoch: tf.data's `.shuffle(...).batch(...)`.
 
-    `distribute_datasets_from_function` iterates the dataset anew at every `iter(...)`. A
-    relaunched worker counts its passes afresh, so its epochs repeat the first run's orders.
+    The order is seeded by the epoch, which mirrored passes to `set_epoch` before each pass
+    (PyTorch's DistributedSampler convention): a relaunched worker that resumes at epoch 1
+    reads epoch 1's order. Counting passes instead, it would replay the first run's orders.
     """
 
     def __init__(self, x, y, batch_size, *, seed):
         self.x, self.y, self.batch_size, self.seed = x, y, batch_size, seed
-        self.passes = 0
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
 
     def __iter__(self):
-        self.passes += 1
-        order = np.random.default_rng([self.seed, self.passes]).permutation(len(self.x))
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.x))
         for start in range(0, len(order), self.batch_size):
             rows = order[start : start + self.batch_size]
             yield self.x[rows], self.y[rows]
@@ -223,7 +226,9 @@ def main(argv=None):
 
     # Resume our CTL training
     while epoch < args.num_epochs:
-        iterator = iter(multi_worker_dataset)
+        # The tutorial's iter(multi_worker_dataset) numbers epochs by this process' passes;
+        # a resumed run asks for the epoch it is in (1-based), and reads its order.
+        iterator = iter(multi_worker_dataset.epoch_iterator(epoch + 1))
         total_loss = 0.0
         num_batches = 0
 

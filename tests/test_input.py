@@ -141,6 +141,55 @@ def test_shuffle_is_seeded_and_differs_per_epoch(strategy):
     assert np.array_equal(e1, epoch(again))
 
 
+def test_a_restarted_loop_reads_the_order_of_the_epoch_it_asks_for(strategy):
+    """Issue 35, item 5: `iter(dataset)` numbers epochs by this process' passes, so a job
+    restarted at epoch 2 would replay epoch 1's order. `epoch_iterator(epoch)` asks for the
+    epoch: mirrored's own shuffle is seeded by it, and a source with `set_epoch` (PyTorch's
+    DistributedSampler convention, directly or as a DataLoader's `sampler`) is told it."""
+    y = np.arange(64)
+
+    def rows(batches):
+        return np.concatenate([real_rows(strategy, b) for (b,) in batches])
+
+    def shuffled():
+        return strategy.experimental_distribute_dataset((y,), batch_size=16, shuffle=True, seed=3)
+
+    uninterrupted = shuffled()
+    _, second = rows(uninterrupted), rows(uninterrupted)
+    np.testing.assert_array_equal(rows(shuffled().epoch_iterator(2)), second)  # restarted
+
+    class Sampler:  # a per-replica source seeded by its epoch
+        def __init__(self):
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    class Source:
+        def __init__(self, on_sampler):
+            self.sampler = Sampler()
+            if not on_sampler:
+                self.set_epoch = self.sampler.set_epoch
+
+        def __iter__(self):
+            order = np.random.default_rng(self.sampler.epochs[-1]).permutation(64)
+            return iter([(y[order[i : i + 2]],) for i in range(0, 64, 2)])
+
+    for on_sampler in (False, True):
+        sources = []
+
+        def from_function(ctx, on_sampler=on_sampler, sources=sources):
+            sources.append(Source(on_sampler))
+            return sources[-1]
+
+        first = strategy.distribute_datasets_from_function(from_function)
+        epoch_0, epoch_1 = rows(first), rows(first)
+        assert sources[0].sampler.epochs == [0, 1] and not np.array_equal(epoch_0, epoch_1)
+        restarted = strategy.distribute_datasets_from_function(from_function)
+        np.testing.assert_array_equal(rows(restarted.epoch_iterator(2)), epoch_1)
+        assert sources[1].sampler.epochs == [1]
+
+
 def test_iterables_and_dicts_of_batches(strategy):
     x, y = np.arange(144).reshape(48, 3), np.arange(48)
     batches = [{"x": x[i : i + 16], "y": y[i : i + 16]} for i in range(0, 48, 16)]

@@ -314,7 +314,19 @@ class DistributedDataset:
         return _CheckedAtTheEnd(self.epoch_iterator(self._epoch), self._strategy)
 
     def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
-        """The batches of epoch `epoch` (1-based; it seeds the shuffle), from batch `skip` on."""
+        """The batches of epoch `epoch` (1-based; it seeds the shuffle), from batch `skip` on.
+
+        `iter(dataset)` numbers the epochs by the passes this process has made; a loop that
+        resumes from a checkpoint asks for the epoch it is in, so that a restarted job reads
+        the same batches in the same order as one never interrupted:
+
+            >>> for x, y in dataset.epoch_iterator(epoch + 1, skip=step_in_epoch):
+            ...     ...
+
+        A source of your own (`distribute_datasets_from_function`, any iterable) is told the
+        epoch through its `set_epoch(epoch)` method, 0-based, if it has one (PyTorch's
+        `DistributedSampler` convention).
+        """
         batches = _nonempty_stream(self._batches(epoch))
         if skip:
             batches = itertools.islice(batches, skip, None)
@@ -374,12 +386,21 @@ def _as_iterable(source: Any) -> Iterable[Any]:
 def _each_epoch(
     dataset: Any, batches: Callable[[Iterable[Any]], Iterator[HostBatch]]
 ) -> Callable[[int], Iterator[HostBatch]]:
-    """Iterate a re-iterable source anew every epoch; refuse a spent one-shot iterator."""
+    """Iterate a re-iterable source anew every epoch; refuse a spent one-shot iterator.
+
+    A source that has `set_epoch` (PyTorch's `DistributedSampler` convention; a DataLoader's
+    sampler) is told the epoch, 0-based, before each pass: its order can then follow the
+    epoch, not how many passes this process has made (a restarted job would replay the first
+    run's orders)."""
     one_shot = isinstance(dataset, Iterator)
     epochs = [0]
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if not callable(set_epoch):
+        set_epoch = getattr(getattr(dataset, "sampler", None), "set_epoch", None)
 
     def each(epoch: int) -> Iterator[HostBatch]:
-        del epoch  # the source's own order; only the array fast path shuffles
+        if callable(set_epoch):
+            set_epoch(epoch - 1)
         epochs[0] += 1
         if one_shot and epochs[0] > 1:
             raise ValueError(
