@@ -3,9 +3,11 @@ makes every process stop at the same step S, the chief saves one checkpoint tagg
 exit 42; started again, the loop resumes from S and ends bit-identical to an uninterrupted
 run (parameters and Adam state, whose count proves no step was lost or repeated)."""
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -367,3 +369,81 @@ def test_preemption_under_kubeflow_variables(tmp_path):
     (step,) = _preempted_steps("".join(outputs))
     assert all(f"preempted at step {step}" in output for output in outputs)
     assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
+
+
+# -- no wider door than needed (item 11) -----------------------------------------------------------
+
+
+def _listeners(pid):
+    """The local addresses (hex, as /proc/net/tcp writes them) pid listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+@pytest.mark.slow
+def test_a_one_host_job_listens_on_loopback_only_and_drops_strangers(tmp_path):
+    """Before: JAX's coordinator and the rendezvous bound every interface ([::]:port) and
+    accepted any client. Now: 127.0.0.1 alone, and the rendezvous admits this job's token."""
+    from mirrored._cluster.launch import free_port
+
+    port = free_port()
+    env = subprocess_env()
+    env.update(
+        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        MIRRORED_NUM_PROCESSES="2",
+        MIRRORED_LOCAL_DEVICES="1",
+        MIRRORED_JOB_TOKEN="this-job",
+        PYTHONUNBUFFERED="1",
+    )
+    command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
+    command += ["--steps", "30", "--pause", "0.2"]
+
+    def start(rank):
+        return subprocess.Popen(
+            command,
+            env={**env, "MIRRORED_PROCESS_ID": str(rank)},
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    chief = start(0)
+    for message in (
+        b'{"hello": "mirrored-rendezvous", "process_id": 1, "token": "other"}\n',
+        b"GET /\n",
+    ):
+        deadline = time.monotonic() + 60
+        while True:  # the chief listens once it has started
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
+                    stranger.sendall(message)
+                    stranger.recv(100)  # dropped: closed without an answer
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the chief never listened"
+                time.sleep(0.2)
+    worker = start(1)
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "pid.1").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # JAX's coordinator and gloo are up
+    listening = {rank: _listeners(int((tmp_path / f"pid.{rank}").read_text())) for rank in (0, 1)}
+    outputs = [chief.communicate(timeout=120)[0], worker.communicate(timeout=120)[0]]
+    assert chief.returncode == worker.returncode == 0, outputs[0][-3000:]
+    assert outputs[0].count("dropped a connection to the coordinator's port") == 2
+    assert listening[0] and all(address in LOOPBACK for address in listening[0] + listening[1])

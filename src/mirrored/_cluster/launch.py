@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -141,6 +142,7 @@ def _attempt(
 ) -> tuple[int, int]:
     """One start of every worker: (the first failing rank, its code), or (-1, 0)."""
     port = free_port()
+    token = os.environ.get("MIRRORED_JOB_TOKEN") or secrets.token_hex(16)
     lock = threading.Lock()
     processes: list[subprocess.Popen[str]] = []
     pumps = []
@@ -150,6 +152,7 @@ def _attempt(
             MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             MIRRORED_NUM_PROCESSES=str(num_processes),
             MIRRORED_PROCESS_ID=str(rank),
+            MIRRORED_JOB_TOKEN=token,  # the rendezvous admits this job's workers only
             PYTHONUNBUFFERED="1",
         )
         env[RESTART_COUNT_ENV] = str(restart)

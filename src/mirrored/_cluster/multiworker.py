@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from mirrored._cluster.rendezvous import initialization_seconds, rendezvous
+from mirrored._cluster.rendezvous import bind_address, initialization_seconds, rendezvous
 from mirrored._cluster.resolvers import ClusterResolver, resolve_cluster
 from mirrored._core.devices import device_name
 from mirrored._core.platform import _backends_initialized, simulate_cpu_devices
@@ -51,6 +51,8 @@ def _initialize(resolver: ClusterResolver, timeout_s: float) -> None:
         process_id=resolver.process_id,
         initialization_timeout=math.ceil(timeout_s),
         heartbeat_timeout_seconds=20,
+        # One machine's job: the loopback address alone, not every interface ([::]:port).
+        coordinator_bind_address=bind_address(resolver),
     )
 
 

@@ -10,6 +10,7 @@ coordinator service.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mirrored")
 
 INIT_TIMEOUT_VARIABLE = "MIRRORED_INIT_TIMEOUT"
+TOKEN_VARIABLE = "MIRRORED_JOB_TOKEN"  # `mirrored launch` sets one per job
 DEFAULT_INIT_TIMEOUT_S = 60.0
 _HELLO = "mirrored-rendezvous"
 _GRACE_S = 10.0  # beyond the chief's deadline, for its verdict to arrive
@@ -83,10 +85,30 @@ def _hung_up(sock: socket.socket) -> bool:
         return True
 
 
-def _listen(resolver: ClusterResolver, port: int) -> socket.socket:
-    # All interfaces, as JAX's coordinator service binds ([::]:port).
+def _is_loopback(host: str) -> bool:
     try:
-        if socket.has_dualstack_ipv6():
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def bind_address(resolver: ClusterResolver) -> str | None:
+    """Where the coordinator's port listens: `host:port` for a job on one machine (a loopback
+    coordinator: nothing else can reach it), None (every interface, JAX's default) when other
+    machines must connect. A machine's own name can resolve to 127.0.1.1 on itself, so a
+    multi-host job keeps every interface and relies on the rendezvous' job token."""
+    host, port = _host_and_port(resolver.coordinator_address)
+    if not _is_loopback(host):
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(resolver: ClusterResolver, port: int) -> socket.socket:
+    host = _host_and_port(resolver.coordinator_address)[0]
+    try:
+        if bind_address(resolver) is not None:
+            return socket.create_server((host, port))
+        if socket.has_dualstack_ipv6():  # every interface, as JAX's coordinator binds
             return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
         return socket.create_server(("", port))
     except OSError as error:
@@ -113,14 +135,23 @@ def _message(line: bytes) -> dict[str, Any]:
     return message if isinstance(message, dict) else {}
 
 
-def _read_hello(conn: socket.socket) -> dict[str, Any] | None:
+def _read_hello(conn: socket.socket, peer: Any) -> dict[str, Any] | None:
+    """A worker's hello, or None (logged) for a connection that is not one of this job's."""
     conn.settimeout(2.0)  # a worker says hello as soon as it connects
     try:
         with conn.makefile("rb") as stream:
             hello = _message(stream.readline(4096))
     except OSError:
-        return None
-    return hello if hello.get("hello") == _HELLO else None
+        hello = {}
+    if hello.get("hello") == _HELLO and hello.get("token") == os.environ.get(TOKEN_VARIABLE):
+        return hello
+    logger.warning(
+        "MultiWorkerMirroredStrategy: dropped a connection to the coordinator's port from %s "
+        "that is not a worker of this job (%s)",
+        peer,
+        "another job's token" if hello.get("hello") == _HELLO else "no rendezvous hello",
+    )
+    return None
 
 
 def _cluster_problem(
@@ -175,8 +206,8 @@ def _host_rendezvous(resolver: ClusterResolver, timeout_s: float) -> None:
                             answered.remove(sock)
                             sock.close()
                         continue
-                    conn = listener.accept()[0]
-                    hello = _read_hello(conn)
+                    conn, peer = listener.accept()
+                    hello = _read_hello(conn, peer)
                     if hello is None:  # not one of our workers
                         conn.close()
                         continue
@@ -241,6 +272,7 @@ def _join_rendezvous(resolver: ClusterResolver, timeout_s: float) -> None:
         "hello": _HELLO,
         "process_id": resolver.process_id,
         "num_processes": resolver.num_processes,
+        "token": os.environ.get(TOKEN_VARIABLE),
     }
     with sock, sock.makefile("rb") as answers:
         try:
