@@ -28,7 +28,9 @@ parser.add_argument("--sigterm-at", type=int, default=-1)
 parser.add_argument("--exit-code", type=int, default=None)
 parser.add_argument("--no-save", action="store_true")
 parser.add_argument("--watch-file", default="")
-parser.add_argument("--pause", type=float, default=0.0)  # seconds of host work per step
+parser.add_argument("--pause", type=float, default=0.0)
+parser.add_argument("--die-rank", type=int, default=-1)  # os._exit(3) at --die-at: a dead peer
+parser.add_argument("--die-at", type=int, default=-1)  # seconds of host work per step
 parser.add_argument("--touch-at", type=int, default=-1)
 args = parser.parse_args()
 
@@ -78,6 +80,8 @@ def distributed_step(step, x, y):
         os.kill(os.getpid(), signal.SIGTERM)
     if step == args.touch_at and rank == 0:
         open(args.watch_file, "w").close()
+    if step == args.die_at and rank == args.die_rank:
+        os._exit(3)
     time.sleep(args.pause)  # the notice takes a moment to reach every process
     loss = strategy.run(train_step, args=(model, optimizer, x, y))
     return strategy.reduce("SUM", loss, axis=None)
@@ -85,7 +89,9 @@ def distributed_step(step, x, y):
 
 for step in range(start, args.steps):
     ((x, y),) = strategy.experimental_distribute_dataset([batches[step]])
-    handler.run(distributed_step, step, x, y)
+    loss = handler.run(distributed_step, step, x, y)
+    if args.die_rank >= 0:
+        print(f"process {rank} step {step} loss {float(loss):.6f}", flush=True)  # float() fails
 
 if rank == 0:
     flat = {

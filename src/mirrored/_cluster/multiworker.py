@@ -21,6 +21,7 @@ from mirrored._cluster.rendezvous import bind_address, initialization_seconds, r
 from mirrored._cluster.resolvers import ClusterResolver, resolve_cluster
 from mirrored._core.devices import device_name
 from mirrored._core.platform import _backends_initialized, simulate_cpu_devices
+from mirrored._run.errors import exit_cleanly_on_peer_failure
 from mirrored._strategy.strategy import Strategy
 
 logger = logging.getLogger("mirrored")
@@ -54,6 +55,7 @@ def _initialize(resolver: ClusterResolver, timeout_s: float) -> None:
         # One machine's job: the loopback address alone, not every interface ([::]:port).
         coordinator_bind_address=bind_address(resolver),
     )
+    exit_cleanly_on_peer_failure()  # a dead peer: a clear error and code 43, not SIGABRT
 
 
 class MultiWorkerMirroredStrategy(Strategy):

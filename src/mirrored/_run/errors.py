@@ -3,8 +3,12 @@ mirrored state written from one replica's rows, and the N× loss trap."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +115,74 @@ class PeerFailureError(RuntimeError):
     """A collective failed because another worker process died or stalled."""
 
 
+PEER_FAILURE_EXIT_CODE = 43  # a process that saw a PeerFailureError exits with this
+_EXIT_INSTALLED: list[bool] = []
+
+
+def _exit_without_the_shutdown_barrier() -> None:
+    """At interpreter exit after a peer failed: end here, with PEER_FAILURE_EXIT_CODE.
+
+    JAX's own exit handler shuts `jax.distributed` down through a barrier of every process;
+    with one of them dead it waits, then aborts the process (SIGABRT, code 134, after ~17 s),
+    so nothing after it runs and a launcher sees a crash. Registered after JAX's handler, this
+    one runs first (atexit is last in, first out)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(PEER_FAILURE_EXIT_CODE)
+
+
+def _dead_processes(timeout_s: float = 2.0) -> list[int]:
+    """The processes JAX's coordination service no longer counts alive (asked with a bound:
+    the service may be the one that died); [] when it does not know."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return []
+    count = jax.process_count()
+    answer: list[Any] = []
+    asking = threading.Thread(
+        target=lambda: answer.append(client.get_live_nodes(list(range(count)))), daemon=True
+    )
+    asking.start()
+    asking.join(timeout_s)
+    if not answer:
+        return []
+    return [p for p in range(count) if p not in answer[0]]
+
+
+def _exit_at_the_end() -> None:
+    if not _EXIT_INSTALLED:
+        atexit.register(_exit_without_the_shutdown_barrier)
+        _EXIT_INSTALLED.append(True)
+
+
+def exit_cleanly_on_peer_failure() -> None:
+    """In a multi-process job: an uncaught error from a failed collective, wherever it surfaces
+    (`float()` of a step's output, a checkpoint, a `reduce`), is explained once and ends the
+    process with PEER_FAILURE_EXIT_CODE, never SIGABRT in JAX's shutdown (idempotent)."""
+    previous = sys.excepthook
+    if getattr(previous, "_mirrored_peer_failure", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        if isinstance(value, PeerFailureError) or _collective_failure(value):
+            if not isinstance(value, PeerFailureError):
+                print(
+                    "mirrored: a collective between the worker processes failed (a peer most "
+                    "likely died); this process exits with code "
+                    f"{PEER_FAILURE_EXIT_CODE}. Restart the job (BackupAndRestore resumes it).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _exit_at_the_end()
+
+    hook._mirrored_peer_failure = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def _collective_failure(error: BaseException) -> bool:
     text = str(error)
     return any(
@@ -121,18 +193,27 @@ def _collective_failure(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def peer_failures() -> Iterator[None]:
-    """Turn a failed cross-process collective into a `PeerFailureError` that says why."""
+    """Turn a failed cross-process collective into a `PeerFailureError` that says why; the
+    process then exits with PEER_FAILURE_EXIT_CODE instead of aborting in JAX's shutdown."""
     try:
         yield
     except Exception as error:
         if jax.process_count() > 1 and _collective_failure(error):
+            _exit_at_the_end()
+            dead = _dead_processes()
+            who = (
+                f"process {', '.join(map(str, dead))} is no longer alive"
+                if dead
+                else "a peer process most likely died or stalled"
+            )
             raise PeerFailureError(
-                "A collective between the worker processes failed: a peer process most likely "
-                "died or stalled (its connection was reset, or the collective timed out). This "
-                "process cannot continue.\n"
+                f"A collective between the worker processes failed: {who} (its connection was "
+                "reset, or the collective timed out). This process cannot continue; it exits "
+                f"with code {PEER_FAILURE_EXIT_CODE} when Python ends.\n"
                 "Fix: check the other workers' logs for the first error; restart the job "
-                "(BackupAndRestore resumes it). The timeout is XLA's "
-                "--xla_cpu_collective_timeout_seconds (set in XLA_FLAGS before start)."
+                "(BackupAndRestore resumes it; `mirrored launch --max-restarts N` restarts it "
+                "by itself). The timeout is XLA's --xla_cpu_collective_timeout_seconds (set in "
+                "XLA_FLAGS before start)."
             ) from error
         raise
 
