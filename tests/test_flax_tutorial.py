@@ -114,7 +114,7 @@ def test_trainer_evaluate_matches_the_tutorials_eval_view():
             metrics=["accuracy"],
             rngs=nnx.Rngs(0),
         )
-    trainer.fit(train["image"][:256], train["label"][:256], batch_size=32, epochs=1, verbose=0)
+    trainer.fit(train["image"][:128], train["label"][:128], batch_size=32, epochs=1, verbose=0)
     images, labels = test["image"][:100], test["label"][:100]  # 100 = 3 × 32 + 4: ragged
     logs = trainer.evaluate(images, labels, batch_size=32)
     eval_model = nnx.view(model, deterministic=True, use_running_average=True)
