@@ -59,6 +59,12 @@ def worker(out: str, steps: int, rounds: int) -> None:
         return (time.perf_counter() - start) / steps
 
     timed(False), timed(True)  # compiled, warm
+    # The check alone: what run adds before each step (JAX's preemption sync point query).
+    notice = handler._notice
+    start = time.perf_counter()
+    for _ in range(1000):
+        notice.reached(handler.total_run_calls)
+    check_us = (time.perf_counter() - start) / 1000 * 1e6
     plain, handled = [], []
     for _ in range(rounds):
         plain.append(timed(False))
@@ -71,6 +77,8 @@ def worker(out: str, steps: int, rounds: int) -> None:
                     "plain_step_ms": round(statistics.median(plain) * 1e3, 3),
                     "handler_step_ms": round(statistics.median(handled) * 1e3, 3),
                     "overhead": round(statistics.median(handled) / statistics.median(plain) - 1, 4),
+                    "check_us": round(check_us, 2),
+                    "check_share_of_step": round(check_us / 1e6 / statistics.median(plain), 6),
                 },
                 f,
             )
