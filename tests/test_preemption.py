@@ -55,6 +55,24 @@ def _none_left(out):
             os.kill(int(pid_file.read_text()), 0)
 
 
+def _two_workers(command, env, id_variable):
+    """Workers 0 and 1 of `command` (bounded by its `timeout`), started without a launcher:
+    their exit codes and outputs."""
+    workers = [
+        subprocess.Popen(
+            command,
+            env={**env, id_variable: str(rank)},
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [worker.communicate(timeout=150)[0] for worker in workers]
+    return [worker.returncode for worker in workers], outputs
+
+
 def _result(out):
     return dict(np.load(out / "result.npz"))
 
@@ -331,19 +349,8 @@ def test_preemption_under_kubeflow_variables(tmp_path):
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
     command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
     command += [*STEPS, "--sigterm-rank", "1", "--sigterm-at", "3"]
-    workers = [
-        subprocess.Popen(
-            command,
-            env={**env, "JAX_PROCESS_ID": str(rank)},
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [worker.communicate(timeout=150)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [42, 42], outputs[0][-2000:]
+    codes, outputs = _two_workers(command, env, "JAX_PROCESS_ID")
+    assert codes == [42, 42], outputs[0][-2000:]
     (step,) = _preempted_steps("".join(outputs))
     assert all(f"preempted at step {step}" in output for output in outputs)
     assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
@@ -446,19 +453,8 @@ def test_the_survivor_of_a_dead_peer_exits_with_43_not_sigabrt(tmp_path, dead):
     )
     command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
     command += ["--steps", "20", "--die-rank", str(dead), "--die-at", "3"]
-    workers = [
-        subprocess.Popen(
-            command,
-            env={**env, "MIRRORED_PROCESS_ID": str(rank)},
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [worker.communicate(timeout=150)[0] for worker in workers]
+    codes, outputs = _two_workers(command, env, "MIRRORED_PROCESS_ID")
     survivor = 1 - dead
-    assert workers[dead].returncode == 3
-    assert workers[survivor].returncode == 43, outputs[survivor][-3000:]
+    assert codes[dead] == 3
+    assert codes[survivor] == 43, outputs[survivor][-3000:]
     assert "exits with code 43" in outputs[survivor]
