@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from mirrored._cluster.preemption import RESTART_EXIT_CODE
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -77,7 +79,6 @@ def _stop(processes: Sequence[subprocess.Popen[str]], grace_s: float) -> None:
 
 
 RESTART_COUNT_ENV = "MIRRORED_RESTART_COUNT"  # torchrun: TORCHELASTIC_RESTART_COUNT
-PREEMPTED_EXIT_CODE = 42  # what PreemptionCheckpointHandler exits with
 
 
 def launch(
@@ -115,10 +116,10 @@ def launch(
             if terminated.is_set():
                 print(
                     f"mirrored launch: SIGTERM passed on to the {num_processes} workers; "
-                    f"exiting {PREEMPTED_EXIT_CODE} without a restart",
+                    f"exiting {RESTART_EXIT_CODE} without a restart",
                     flush=True,
                 )
-                return PREEMPTED_EXIT_CODE
+                return RESTART_EXIT_CODE
             if code == 0 or attempt >= max_restarts:
                 return code
             attempt += 1

@@ -247,29 +247,16 @@ class PreemptionCheckpointHandler:
         self._exit_fn()
 
     def _save(self, step: int) -> None:
-        _checkpoint.check_built(self._objects, "save")
-        arrays = _checkpoint.state_arrays(self._objects)  # every process (per-replica sums)
-        extras = _checkpoint.extras_arrays({_RUN_CALLS: step})
-        checkpoints = _checkpoint.Checkpoints(self._directory, max_to_keep=1)
-        try:
-            checkpoints.save(step, {**arrays, **extras})
-        finally:
-            checkpoints.close()
+        _checkpoint.save_objects(
+            self._directory, self._objects, step=step, max_to_keep=1, extras={_RUN_CALLS: step}
+        )
 
     def _restore(self) -> int:
         """The newest checkpoint's objects restored; its run count (0 without one)."""
         if _checkpoint.latest_checkpoint(self._directory) is None:
             return 0
-        _checkpoint.check_built(self._objects, "restore")
-        checkpoints = _checkpoint.Checkpoints(self._directory, max_to_keep=None)
-        try:
-            step = checkpoints.latest()
-            arrays = checkpoints.restore(_checkpoint.state_arrays(self._objects), step)
-            extras = checkpoints.extras(step)
-        finally:
-            checkpoints.close()
-        _checkpoint.load_state_arrays(self._objects, arrays, self._directory)
-        calls = int(extras.get(_RUN_CALLS, step if step is not None else 0))
+        step, extras = _checkpoint.restore_objects(self._directory, self._objects, with_extras=True)
+        calls = int(extras.get(_RUN_CALLS, step))
         print(
             f"mirrored: restored the preemption checkpoint at step {calls} from {self._directory}",
             file=sys.stderr,

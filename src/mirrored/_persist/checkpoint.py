@@ -425,9 +425,22 @@ def save_checkpoint(
     Differs from tf.distribute: `tf.train.Checkpoint.save` keeps every checkpoint and
     `tf.train.CheckpointManager` needs `max_to_keep`; here the newest one is kept by default.
     """
+    objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    save_objects(directory, objects, step=step, max_to_keep=max_to_keep, extras=extras)
+
+
+def save_objects(
+    directory: str | os.PathLike[str],
+    objects: dict[str, Any],
+    *,
+    step: int,
+    max_to_keep: int | None,
+    extras: Mapping[str, Any] | None = None,
+) -> None:
+    """`save_checkpoint` of any named objects (NNX modules and optimizers, Keras models and
+    optimizers): every check first, then one atomic step directory."""
     check_max_to_keep(max_to_keep)
     entries = extras_arrays(extras)
-    objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     check_built(objects, "save")
     checkpoints = Checkpoints(directory, max_to_keep=max_to_keep)
     try:
@@ -456,20 +469,34 @@ def restore_checkpoint(
         >>> mirrored.restore_checkpoint("ckpt/", model)
     """
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    root, step = _locate(directory, step)
+    return restore_objects(root, objects, step=step)[0]
+
+
+def restore_objects(
+    directory: str | os.PathLike[str],
+    objects: dict[str, Any],
+    *,
+    step: int | None = None,
+    with_extras: bool = False,
+) -> tuple[int, dict[str, Any]]:
+    """`restore_checkpoint` of any named objects from the checkpoint directory `directory`:
+    the step restored, and its extras when `with_extras` (else `{}`), read in one pass."""
     check_built(objects, "restore")
-    if _is_keras(optimizer) and not optimizer.built:
+    model, optimizer = objects.get("model"), objects.get("optimizer")
+    if optimizer is not None and _is_keras(optimizer) and not optimizer.built:
         for extension in hooks.extensions:  # Keras creates an optimizer's slots lazily
             extension.prepare_restore(model, optimizer)
-    root, step = _locate(directory, step)
-    checkpoints = Checkpoints(root, max_to_keep=None)
+    checkpoints = Checkpoints(directory, max_to_keep=None)
     try:
         step = checkpoints.latest() if step is None else step
         arrays = checkpoints.restore(state_arrays(objects), step)
+        extras = checkpoints.extras(step) if with_extras else {}
     finally:
         checkpoints.close()
     load_state_arrays(objects, arrays, checkpoints.directory)
     assert step is not None
-    return step
+    return step, extras
 
 
 def checkpoint_extras(

@@ -201,14 +201,11 @@ def peer_failures() -> Iterator[None]:
         if jax.process_count() > 1 and _collective_failure(error):
             _exit_at_the_end()
             dead = _dead_processes()
-            who = (
-                f"process {', '.join(map(str, dead))} is no longer alive"
-                if dead
-                else "a peer process most likely died or stalled"
-            )
+            known = f"; process {', '.join(map(str, dead))} is no longer alive" if dead else ""
             raise PeerFailureError(
-                f"A collective between the worker processes failed: {who} (its connection was "
-                "reset, or the collective timed out). This process cannot continue; it exits "
+                "A collective between the worker processes failed: a peer process most likely "
+                f"died or stalled{known} (its connection was reset, or the collective timed "
+                "out). This process cannot continue; it exits "
                 f"with code {PEER_FAILURE_EXIT_CODE} when Python ends.\n"
                 "Fix: check the other workers' logs for the first error; restart the job "
                 "(BackupAndRestore resumes it; `mirrored launch --max-restarts N` restarts it "
