@@ -24,6 +24,48 @@ def subprocess_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
 
 
+def job_env(**extra: str) -> dict[str, str]:
+    """A 2-process job of 1 device each, started without a launcher: the variables `mirrored
+    launch` sets, on a free 127.0.0.1 port (each worker adds its MIRRORED_PROCESS_ID)."""
+    from mirrored._cluster.launch import free_port
+
+    env = subprocess_env()
+    env.update(
+        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+        MIRRORED_NUM_PROCESSES="2",
+        MIRRORED_LOCAL_DEVICES="1",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+    return env
+
+
+def start_worker(
+    command: list[str], env: dict[str, str], rank: int, id_variable: str = "MIRRORED_PROCESS_ID"
+) -> subprocess.Popen[str]:
+    """Worker `rank` of `command` (bound it with `timeout` in the command), output captured."""
+    return subprocess.Popen(
+        command,
+        env={**env, id_variable: str(rank)},
+        cwd=Path(__file__).resolve().parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_two_workers(
+    command: list[str],
+    env: dict[str, str],
+    id_variable: str = "MIRRORED_PROCESS_ID",
+    timeout: float = 150,
+) -> tuple[list[int], list[str]]:
+    """Workers 0 and 1 of `command`, to the end: their exit codes and outputs."""
+    workers = [start_worker(command, env, rank, id_variable) for rank in range(2)]
+    outputs = [worker.communicate(timeout=timeout)[0] for worker in workers]
+    return [worker.returncode for worker in workers], outputs
+
+
 class SmallMLP(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs) -> None:
         self.hidden = nnx.Linear(12, 32, rngs=rngs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mirrored
-from _helpers import subprocess_env
+from _helpers import job_env, run_two_workers, subprocess_env
 from mirrored._cluster.resolvers import resolve_cluster
 
 HERE = Path(__file__).resolve().parent
@@ -212,41 +212,11 @@ def test_a_killed_worker_stops_the_job_and_backup_resumes_it(tmp_path, two_proce
 @pytest.mark.slow
 def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
     """Without the launcher: the survivor itself must turn the loss of its peer into an error."""
-    from mirrored._cluster.launch import free_port
-
-    port = free_port()
-    env = subprocess_env()
-    env.update(
-        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-        MIRRORED_NUM_PROCESSES="2",
-        MIRRORED_LOCAL_DEVICES="1",
-        PYTHONUNBUFFERED="1",
-    )
-    command = [
-        "timeout",
-        "-k",
-        "5",
-        "90",
-        sys.executable,
-        str(HERE / "_mw_script.py"),
-        str(tmp_path),
-        "--die-rank",
-        "1",
-    ]
-    workers = [
-        subprocess.Popen(
-            command,
-            env={**env, "MIRRORED_PROCESS_ID": str(rank)},
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    survivor, _ = (w.communicate(timeout=120)[0] for w in workers)
-    assert workers[1].returncode == 3
-    assert workers[0].returncode == 4, survivor[-2000:]
+    command = ["timeout", "-k", "5", "90", sys.executable, str(HERE / "_mw_script.py")]
+    command += [str(tmp_path), "--die-rank", "1"]
+    codes, (survivor, _) = run_two_workers(command, job_env(), timeout=120)
+    assert codes[1] == 3
+    assert codes[0] == 4, survivor[-2000:]
     # Exit code 4: the survivor's own handler of PeerFailureError (124: `timeout`, a hang).
     assert "PeerFailureError" in survivor and "peer process most likely died" in survivor
 

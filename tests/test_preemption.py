@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import subprocess_env
+from _helpers import job_env, run_two_workers, start_worker, subprocess_env
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "_preempt_script.py")
@@ -53,24 +53,6 @@ def _none_left(out):
     for pid_file in out.glob("pid.*"):
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid_file.read_text()), 0)
-
-
-def _two_workers(command, env, id_variable):
-    """Workers 0 and 1 of `command` (bounded by its `timeout`), started without a launcher:
-    their exit codes and outputs."""
-    workers = [
-        subprocess.Popen(
-            command,
-            env={**env, id_variable: str(rank)},
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = [worker.communicate(timeout=150)[0] for worker in workers]
-    return [worker.returncode for worker in workers], outputs
 
 
 def _result(out):
@@ -349,7 +331,7 @@ def test_preemption_under_kubeflow_variables(tmp_path):
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
     command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
     command += [*STEPS, "--sigterm-rank", "1", "--sigterm-at", "3"]
-    codes, outputs = _two_workers(command, env, "JAX_PROCESS_ID")
+    codes, outputs = run_two_workers(command, env, "JAX_PROCESS_ID")
     assert codes == [42, 42], outputs[0][-2000:]
     (step,) = _preempted_steps("".join(outputs))
     assert all(f"preempted at step {step}" in output for output in outputs)
@@ -383,31 +365,11 @@ LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "0000000000000000000
 def test_a_one_host_job_listens_on_loopback_only_and_drops_strangers(tmp_path):
     """Before: JAX's coordinator and the rendezvous bound every interface ([::]:port) and
     accepted any client. Now: 127.0.0.1 alone, and the rendezvous admits this job's token."""
-    from mirrored._cluster.launch import free_port
-
-    port = free_port()
-    env = subprocess_env()
-    env.update(
-        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-        MIRRORED_NUM_PROCESSES="2",
-        MIRRORED_LOCAL_DEVICES="1",
-        MIRRORED_JOB_TOKEN="this-job",
-        PYTHONUNBUFFERED="1",
-    )
+    env = job_env(MIRRORED_JOB_TOKEN="this-job")
+    port = int(env["MIRRORED_COORDINATOR_ADDRESS"].rpartition(":")[2])
     command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
     command += ["--steps", "30", "--pause", "0.2"]
-
-    def start(rank):
-        return subprocess.Popen(
-            command,
-            env={**env, "MIRRORED_PROCESS_ID": str(rank)},
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    chief = start(0)
+    chief = start_worker(command, env, 0)
     for message in (
         b'{"hello": "mirrored-rendezvous", "process_id": 1, "token": "other"}\n',
         b"GET /\n",
@@ -422,7 +384,7 @@ def test_a_one_host_job_listens_on_loopback_only_and_drops_strangers(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "the chief never listened"
                 time.sleep(0.2)
-    worker = start(1)
+    worker = start_worker(command, env, 1)
     deadline = time.monotonic() + 90
     while not (tmp_path / "pid.1").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -443,17 +405,9 @@ def test_the_survivor_of_a_dead_peer_exits_with_43_not_sigabrt(tmp_path, dead):
     """No launcher: worker `dead` ends abruptly (os._exit) during step 3; the survivor's failure
     surfaces outside `run` (`float()` of the reduced loss). Before: a raw JaxRuntimeError, then
     SIGABRT (134) about 17 s later in JAX's shutdown barrier; with the chief dead, a C++ abort."""
-    from mirrored._cluster.launch import free_port
-
-    env = subprocess_env()
-    env.update(
-        MIRRORED_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
-        MIRRORED_NUM_PROCESSES="2",
-        MIRRORED_LOCAL_DEVICES="1",
-    )
     command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
     command += ["--steps", "20", "--die-rank", str(dead), "--die-at", "3"]
-    codes, outputs = _two_workers(command, env, "MIRRORED_PROCESS_ID")
+    codes, outputs = run_two_workers(command, job_env())
     survivor = 1 - dead
     assert codes[dead] == 3
     assert codes[survivor] == 43, outputs[survivor][-3000:]
