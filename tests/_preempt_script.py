@@ -1,11 +1,13 @@
 """A training loop under mirrored.PreemptionCheckpointHandler (test_preemption.py).
 
     python _preempt_script.py OUT_DIR [--workers] [--steps N] [--sigterm-rank R --sigterm-at K]
-        [--exit-code C] [--no-save] [--watch-file PATH --touch-at K]
+        [--exit-code C] [--no-save] [--watch-file PATH --touch-at K] [--pause S]
+    [--die-rank R --die-at K] [--raise-rank R --raise-at K]
 
 One process (MirroredStrategy) or, with --workers, a MultiWorkerMirroredStrategy worker of
 `mirrored launch`. SmallMLP, Adam, global batch i at step i (the data position is the run
-count). --sigterm-rank R --sigterm-at K: process R sends itself SIGTERM during step K. The chief
+count). --sigterm-rank R --sigterm-at K: process R sends itself SIGTERM during step K; --die-rank
+ends process R abruptly (os._exit(3)) and --raise-rank makes it raise a ValueError. The chief
 writes the final parameters, the Adam count and the steps it ran to OUT_DIR/result.npz; every
 process writes its pid to OUT_DIR/pid.RANK.
 """
@@ -32,6 +34,8 @@ parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--die-rank", type=int, default=-1)  # os._exit(3) at --die-at: a dead peer
 parser.add_argument("--die-at", type=int, default=-1)  # seconds of host work per step
 parser.add_argument("--touch-at", type=int, default=-1)
+parser.add_argument("--raise-rank", type=int, default=-1)  # raises ValueError at --raise-at
+parser.add_argument("--raise-at", type=int, default=-1)
 args = parser.parse_args()
 
 if args.workers:
@@ -82,6 +86,9 @@ def distributed_step(step, x, y):
         open(args.watch_file, "w").close()
     if step == args.die_at and rank == args.die_rank:
         os._exit(3)
+    if step == args.raise_at and rank == args.raise_rank:
+        print(f"raising at {time.time():.3f}", flush=True)
+        raise ValueError(f"boom in process {rank} at step {step}")
     time.sleep(args.pause)  # the notice takes a moment to reach every process
     loss = strategy.run(train_step, args=(model, optimizer, x, y))
     return strategy.reduce("SUM", loss, axis=None)
@@ -90,7 +97,7 @@ def distributed_step(step, x, y):
 for step in range(start, args.steps):
     ((x, y),) = strategy.experimental_distribute_dataset([batches[step]])
     loss = handler.run(distributed_step, step, x, y)
-    if args.die_rank >= 0:
+    if args.die_rank >= 0 or args.raise_rank >= 0:
         print(f"process {rank} step {step} loss {float(loss):.6f}", flush=True)  # float() fails
 
 if rank == 0:

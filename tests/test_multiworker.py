@@ -218,7 +218,7 @@ def test_a_dead_peer_is_an_exception_in_the_survivor(tmp_path):
     assert codes[1] == 3
     assert codes[0] == 4, survivor[-2000:]
     # Exit code 4: the survivor's own handler of PeerFailureError (124: `timeout`, a hang).
-    assert "PeerFailureError" in survivor and "peer process most likely died" in survivor
+    assert "PeerFailureError" in survivor and "a peer process failed, died or stalled" in survivor
 
 
 @pytest.mark.slow

@@ -412,3 +412,46 @@ def test_the_survivor_of_a_dead_peer_exits_with_43_not_sigabrt(tmp_path, dead):
     assert codes[dead] == 3
     assert codes[survivor] == 43, outputs[survivor][-3000:]
     assert "exits with code 43" in outputs[survivor]
+
+
+# -- an error in one worker (item 8) ---------------------------------------------------------------
+
+
+def _run_two_workers_timed(command, env):
+    """Workers 0 and 1 of `command` to the end: exit codes, outputs and exit times."""
+    workers = [start_worker(command, env, rank) for rank in range(2)]
+    ends = [0.0, 0.0]
+    deadline = time.monotonic() + 150
+    while not all(ends) and time.monotonic() < deadline:
+        for rank, worker in enumerate(workers):
+            if not ends[rank] and worker.poll() is not None:
+                ends[rank] = time.time()
+        time.sleep(0.05)
+    outputs = [worker.communicate(timeout=30)[0] for worker in workers]
+    return [worker.returncode for worker in workers], outputs, ends
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [1, 0], ids=["worker", "chief"])
+def test_an_error_in_one_worker_stops_every_worker_within_seconds_naming_it(tmp_path, failing):
+    """TensorFlow's test_error_propagation: worker `failing` raises in its step 3. Before: it hung
+    31 s in JAX's shutdown and its peer waited out gloo's 30 s timeout for a raw "Timed out
+    waiting 30000ms" naming no process. Now the peer says which process failed and why, and
+    both are gone within 5 s of the raise (the failing one with Python's code 1). When process 0
+    fails, its peers exit as soon as they have read why (JAX's client would abort them once
+    the coordination service in process 0 is gone)."""
+    command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
+    command += ["--steps", "20", "--raise-rank", str(failing), "--raise-at", "3"]
+    codes, outputs, ends = _run_two_workers_timed(command, job_env())
+    peer = 1 - failing
+    assert codes[failing] == 1, outputs[failing][-3000:]
+    assert f"ValueError: boom in process {failing} at step 3" in outputs[failing]
+    assert codes[peer] == 43, outputs[peer][-3000:]
+    why = f"process {failing} (worker {failing}) failed: ValueError: boom in process {failing}"
+    assert why in outputs[peer]
+    if failing:  # the peer raises at its collective, its error saying why too
+        assert f"The first failure: {why}" in outputs[peer]
+    else:  # process 0 hosts the coordination service: its peers leave before it goes
+        assert "process 1 exits now with code 43" in outputs[peer]
+    raised = float(re.search(r"raising at ([\d.]+)", outputs[failing]).group(1))
+    assert max(ends) - raised < 5.0, (max(ends) - raised, outputs[peer][-2000:])

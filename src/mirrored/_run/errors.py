@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,75 +113,179 @@ def _python_branch_error(error: Exception, fn_name: str, eager: bool) -> PythonB
 
 
 class PeerFailureError(RuntimeError):
-    """A collective failed because another worker process died or stalled."""
+    """A collective failed because another worker process died, failed or stalled."""
 
 
 PEER_FAILURE_EXIT_CODE = 43  # a process that saw a PeerFailureError exits with this
-_EXIT_INSTALLED: list[bool] = []
+FAILURE_KEY = "mirrored/failure"  # the first process to fail says why, in JAX's key-value store
+_SEEN_DIR = "mirrored/failure_seen/"  # each other process acknowledges it here
+WATCH_INTERVAL_S = 0.25  # how often each process looks for a peer's failure
+ACK_WAIT_S = 2.0  # how long a failed process waits for the others to read why
+_EXIT: list[int] = []  # the code this process ends with, once it must skip JAX's shutdown
+_PEER_FAILURE: list[str] = []  # a peer's failure, as it published it
 
 
-def _exit_without_the_shutdown_barrier() -> None:
-    """At interpreter exit after a peer failed: end here, with PEER_FAILURE_EXIT_CODE.
+def _exit_without_the_shutdown_barrier(code: int | None = None) -> None:
+    """At interpreter exit after this process or a peer failed: end here, with _EXIT's code
+    (or `code`).
 
     JAX's own exit handler shuts `jax.distributed` down through a barrier of every process;
-    with one of them dead it waits, then aborts the process (SIGABRT, code 134, after ~17 s),
-    so nothing after it runs and a launcher sees a crash. Registered after JAX's handler, this
-    one runs first (atexit is last in, first out)."""
+    with one of them dead or failed it waits, then aborts the process (SIGABRT, code 134,
+    after ~17 s), so nothing after it runs and a launcher sees a crash. Registered after JAX's
+    handler, this one runs first (atexit is last in, first out)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(PEER_FAILURE_EXIT_CODE)
+    os._exit(_EXIT[0] if code is None else code)
+
+
+def _exit_at_the_end(code: int = PEER_FAILURE_EXIT_CODE) -> None:
+    if not _EXIT:
+        atexit.register(_exit_without_the_shutdown_barrier)
+        _EXIT.append(code)
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _bounded(call: Any, timeout_s: float) -> list[Any]:
+    """[call()] if it returns within `timeout_s`, else [] (the coordination service may be the
+    one that died, and its calls then wait)."""
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(call()), daemon=True)
+    asking.start()
+    asking.join(timeout_s)
+    return answer
 
 
 def _dead_processes(timeout_s: float = 2.0) -> list[int]:
-    """The processes JAX's coordination service no longer counts alive (asked with a bound:
-    the service may be the one that died); [] when it does not know."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    """The processes JAX's coordination service no longer counts alive; [] when it does not
+    know."""
+    client = _client()
     if client is None:
         return []
     count = jax.process_count()
-    answer: list[Any] = []
-    asking = threading.Thread(
-        target=lambda: answer.append(client.get_live_nodes(list(range(count)))), daemon=True
-    )
-    asking.start()
-    asking.join(timeout_s)
-    if not answer:
-        return []
-    return [p for p in range(count) if p not in answer[0]]
+    answer = _bounded(lambda: client.get_live_nodes(list(range(count))), timeout_s)
+    return [p for p in range(count) if answer and p not in answer[0]]
 
 
-def _exit_at_the_end() -> None:
-    if not _EXIT_INSTALLED:
-        atexit.register(_exit_without_the_shutdown_barrier)
-        _EXIT_INSTALLED.append(True)
+def _publish_failure(error: BaseException) -> None:
+    """Tell every other process why this one fails (the first failure in the job wins), and
+    wait up to ACK_WAIT_S for them to read it: when this process hosts the coordination
+    service, its exit takes the message with it."""
+    client = _client()
+    if client is None:
+        return
+    rank = jax.process_index()
+    message = f"process {rank} (worker {rank}) failed: {type(error).__name__}: {error}"
+    if len(message) > 2000:
+        message = message[:2000] + " [...]"
+    with contextlib.suppress(Exception):
+        client.key_value_set(FAILURE_KEY, message)
+    others = jax.process_count() - 1
+    deadline = time.monotonic() + ACK_WAIT_S
+    while time.monotonic() < deadline:
+        seen = _bounded(lambda: client.key_value_dir_get(_SEEN_DIR), 1.0)
+        if seen and len(seen[0]) >= others:
+            if rank == 0:  # they exit right after reading; let them go before the service
+                time.sleep(0.2)
+            return
+        time.sleep(0.05)
+
+
+def _watch_for_peer_failures(stop: threading.Event) -> None:
+    """Background thread: when a peer publishes its failure, say so at once and keep it for the
+    PeerFailureError that this process' next collective raises."""
+    client = _client()
+    rank = jax.process_index()
+    while not stop.wait(WATCH_INTERVAL_S):
+        try:
+            message = client.key_value_try_get(FAILURE_KEY)
+        except Exception:  # not there yet, or the service is gone
+            continue
+        if message.startswith(f"process {rank} "):
+            return
+        _PEER_FAILURE.append(message)
+        chief = message.startswith("process 0 ")
+        print(
+            f"mirrored: {message}\nmirrored: process {rank} "
+            + ("exits now" if chief else "stops at its next collective and exits")
+            + f" with code {PEER_FAILURE_EXIT_CODE}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{_SEEN_DIR}{rank}", "1")
+        if chief:  # the coordination service ends with process 0, and JAX's client then
+            _exit_without_the_shutdown_barrier(PEER_FAILURE_EXIT_CODE)  # aborts: leave first
+        return
+
+
+def _peer_failure_text() -> str:
+    """The failed peer's own message when it published one; else, in process 0 (whose service
+    answers at once), the processes it no longer counts alive. Another process does not ask:
+    if process 0 died, JAX's client aborts this one within milliseconds, and the question
+    would only lose the race to exit first."""
+    if _PEER_FAILURE:
+        return f" The first failure: {_PEER_FAILURE[0]}."
+    dead = _dead_processes() if jax.process_index() == 0 else []
+    return f" Process {', '.join(map(str, dead))} is no longer alive." if dead else ""
 
 
 def exit_cleanly_on_peer_failure() -> None:
-    """In a multi-process job: an uncaught error from a failed collective, wherever it surfaces
-    (`float()` of a step's output, a checkpoint, a `reduce`), is explained once and ends the
-    process with PEER_FAILURE_EXIT_CODE, never SIGABRT in JAX's shutdown (idempotent)."""
+    """In a multi-process job (idempotent):
+
+    - an uncaught error in this process is published to every other process (which say which
+      process failed and why, and stop at their next collective within seconds, where they
+      would otherwise wait out the collective timeout), and this process exits at once with
+      code 1 instead of waiting in JAX's shutdown barrier;
+    - an uncaught error from a failed collective, wherever it surfaces (`float()` of a step's
+      output, a checkpoint, a `reduce`), is explained once and ends the process with
+      PEER_FAILURE_EXIT_CODE, never SIGABRT in JAX's shutdown.
+    """
     previous = sys.excepthook
     if getattr(previous, "_mirrored_peer_failure", False):
         return
+    threading.Thread(
+        target=_watch_for_peer_failures,
+        args=(_STOP_WATCHING,),
+        name="mirrored-peer-failures",
+        daemon=True,
+    ).start()
+    atexit.register(_STOP_WATCHING.set)
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)
         if isinstance(value, PeerFailureError) or _collective_failure(value):
             if not isinstance(value, PeerFailureError):
+                known = f" The first failure: {_PEER_FAILURE[0]}." if _PEER_FAILURE else ""
                 print(
                     "mirrored: a collective between the worker processes failed (a peer most "
-                    "likely died); this process exits with code "
+                    f"likely died).{known} This process exits with code "
                     f"{PEER_FAILURE_EXIT_CODE}. Restart the job (BackupAndRestore resumes it).",
                     file=sys.stderr,
                     flush=True,
                 )
             _exit_at_the_end()
+        elif jax.process_count() > 1:
+            _STOP_WATCHING.set()
+            _publish_failure(value)
+            print(
+                f"mirrored: told the other processes that process {jax.process_index()} "
+                "failed; exiting with code 1.",
+                file=sys.stderr,
+                flush=True,
+            )
+            _exit_at_the_end(1)
 
     hook._mirrored_peer_failure = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+_STOP_WATCHING = threading.Event()
 
 
 def _collective_failure(error: BaseException) -> bool:
@@ -193,19 +298,18 @@ def _collective_failure(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def peer_failures() -> Iterator[None]:
-    """Turn a failed cross-process collective into a `PeerFailureError` that says why; the
-    process then exits with PEER_FAILURE_EXIT_CODE instead of aborting in JAX's shutdown."""
+    """Turn a failed cross-process collective into a `PeerFailureError` that says why (the
+    failed peer's own error when it published one); the process then exits with
+    PEER_FAILURE_EXIT_CODE instead of aborting in JAX's shutdown."""
     try:
         yield
     except Exception as error:
         if jax.process_count() > 1 and _collective_failure(error):
             _exit_at_the_end()
-            dead = _dead_processes()
-            known = f"; process {', '.join(map(str, dead))} is no longer alive" if dead else ""
             raise PeerFailureError(
-                "A collective between the worker processes failed: a peer process most likely "
-                f"died or stalled{known} (its connection was reset, or the collective timed "
-                "out). This process cannot continue; it exits "
+                "A collective between the worker processes failed: a peer process failed, "
+                "died or stalled (its connection was reset, or the collective timed out)."
+                f"{_peer_failure_text()} This process cannot continue; it exits "
                 f"with code {PEER_FAILURE_EXIT_CODE} when Python ends.\n"
                 "Fix: check the other workers' logs for the first error; restart the job "
                 "(BackupAndRestore resumes it; `mirrored launch --max-restarts N` restarts it "
