@@ -1,7 +1,7 @@
 """A training loop under mirrored.PreemptionCheckpointHandler (test_preemption.py).
 
     python _preempt_script.py OUT_DIR [--workers] [--steps N] [--sigterm-rank R --sigterm-at K]
-        [--exit-code C] [--no-save] [--watch-file PATH --touch-at K] [--pause S]
+        [--exit-code C] [--no-save] [--grace S] [--watch-file PATH --touch-at K] [--pause S]
     [--die-rank R --die-at K] [--raise-rank R --raise-at K]
 
 One process (MirroredStrategy) or, with --workers, a MultiWorkerMirroredStrategy worker of
@@ -34,6 +34,7 @@ parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--die-rank", type=int, default=-1)  # os._exit(3) at --die-at: a dead peer
 parser.add_argument("--die-at", type=int, default=-1)  # seconds of host work per step
 parser.add_argument("--touch-at", type=int, default=-1)
+parser.add_argument("--grace", type=float, default=None)  # TerminationConfig(grace_period=)
 parser.add_argument("--raise-rank", type=int, default=-1)  # raises ValueError at --raise-at
 parser.add_argument("--raise-at", type=int, default=-1)
 args = parser.parse_args()
@@ -65,6 +66,8 @@ if args.exit_code is not None:
     options["exit_fn"] = lambda: sys.exit(args.exit_code)
 if args.no_save:
     options["save_fn"] = lambda: None
+if args.grace is not None:
+    options["grace_period"] = args.grace
 if args.watch_file:
     options["termination_watcher_fn"] = lambda: os.path.exists(args.watch_file)
 handler = mirrored.PreemptionCheckpointHandler(
@@ -81,6 +84,7 @@ batches = global_batches(args.steps, 32)
 
 def distributed_step(step, x, y):
     if step == args.sigterm_at and rank == args.sigterm_rank:
+        print(f"sigterm at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
     if step == args.touch_at and rank == 0:
         open(args.watch_file, "w").close()

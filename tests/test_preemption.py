@@ -130,8 +130,9 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         mirrored.PreemptionCheckpointHandler(None, {"model": model}, tmp_path, {"exit_fn": 1})
     with pytest.raises(TypeError, match=r"exit_fn=\.\.\.\) to be a function"):
         mirrored.TerminationConfig(exit_fn=42)
-    with pytest.raises(ValueError, match="grace period is not supported yet"):
-        mirrored.TerminationConfig(grace_period=5)
+    for grace in (-1, "5", True):
+        with pytest.raises(ValueError, match="a number of seconds >= 0"):
+            mirrored.TerminationConfig(grace_period=grace)
 
 
 # -- several processes: JAX's preemption service agrees on the step ------------------------------
@@ -455,3 +456,27 @@ def test_an_error_in_one_worker_stops_every_worker_within_seconds_naming_it(tmp_
         assert "process 1 exits now with code 43" in outputs[peer]
     raised = float(re.search(r"raising at ([\d.]+)", outputs[failing]).group(1))
     assert max(ends) - raised < 5.0, (max(ends) - raised, outputs[peer][-2000:])
+
+
+# -- a grace period (item 2) -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_grace_period_saves_at_once_trains_on_and_saves_again_before_it_ends(tmp_path):
+    """TerminationConfig(grace_period=5), SIGTERM to worker 1 at step 3 (0.2 s per step): both
+    workers save at one step S1, train on, save the final checkpoint at one later step S2
+    before the 5 s are over, and exit 42 within grace + 15 s of the signal (TF's bound)."""
+    command = ["timeout", "-k", "10", "120", sys.executable, SCRIPT, str(tmp_path), "--workers"]
+    command += ["--steps", "100", "--sigterm-rank", "1", "--sigterm-at", "3", "--pause", "0.2"]
+    codes, outputs, ends = _run_two_workers_timed([*command, "--grace", "5"], job_env())
+    assert codes == [42, 42], outputs[1][-3000:]
+    first = [_preempted_steps(output) for output in outputs]
+    final = [set(map(int, re.findall(r"final checkpoint at step (\d+)", o))) for o in outputs]
+    assert first[0] == first[1] and len(first[0]) == 1, first
+    assert final[0] == final[1] and len(final[0]) == 1, final
+    (s1,), (s2,) = first[0], final[0]
+    assert 3 < s1 < s2 < 100
+    assert "training on for the grace period (5 s)" in outputs[0]
+    signalled = float(re.search(r"sigterm at ([\d.]+)", outputs[1]).group(1))
+    assert max(ends) - signalled < 5 + 15
+    assert Path(mirrored.latest_checkpoint(tmp_path / "preemption")).name == str(s2)

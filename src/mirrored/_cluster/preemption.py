@@ -16,6 +16,7 @@ TensorFlow's local mode) catches SIGTERM itself and saves before its next step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +37,7 @@ logger = logging.getLogger("mirrored")
 RESTART_EXIT_CODE = 42  # TensorFlow's default exit code after a preemption checkpoint
 _RUN_CALLS = "total_run_calls"  # the extra a preemption checkpoint carries
 WATCH_INTERVAL_S = 0.5  # how often a termination_watcher_fn is polled
+NOTICE_STEPS = 4  # a grace period counts from this many steps before the agreed one
 
 
 @dataclasses.dataclass
@@ -46,8 +49,10 @@ class TerminationConfig:
             termination notice, as SIGTERM is (without one, SIGTERM is the notice). It must
             not block.
         exit_fn: called after the preemption checkpoint is saved; default `sys.exit(42)`.
-        grace_period: seconds between the notice and the kill. Only 0 (save at the agreed
-            step, then exit) is supported so far.
+        grace_period: seconds between the notice and the kill (default 0: save at the agreed
+            step, then exit). With more, the handler saves at the agreed step, trains on, and
+            saves again at a second agreed step before the period ends (leaving room for the
+            longest step so far twice and the first save's time, plus 1 s), then exits.
         save_fn: replaces the checkpoint the handler writes (called on every process at the
             agreed step, with no arguments).
 
@@ -68,11 +73,14 @@ class TerminationConfig:
                     f"Expected TerminationConfig({name}=...) to be a function or None; found "
                     f"{value!r}. Fix: pass a function (e.g. {name}=lambda: ...)."
                 )
-        if self.grace_period not in (None, 0):
+        grace = self.grace_period
+        if grace is not None and (
+            isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0
+        ):
             raise ValueError(
-                "Expected TerminationConfig(grace_period=...) to be None or 0; found "
-                f"{self.grace_period!r}: training on through a grace period is not supported "
-                "yet. Fix: leave it out; the handler saves at the agreed step and exits."
+                "Expected TerminationConfig(grace_period=...) to be None or a number of seconds "
+                f">= 0 (the time between the termination notice and the kill); found {grace!r}. "
+                "Fix: e.g. grace_period=30, or leave it out to save at once and exit."
             )
 
 
@@ -98,6 +106,7 @@ class TerminationNotice:
         self._flag = threading.Event()
         self._stop = threading.Event()
         self._previous: Any = None
+        self.received_at: float | None = None  # when this process got the notice (one process)
         if watcher_fn is not None:
             threading.Thread(
                 target=self._watch,
@@ -116,6 +125,7 @@ class TerminationNotice:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         del signum, frame
+        self.received_at = self.received_at or time.monotonic()
         self._flag.set()
 
     def _watch(self, watcher: Callable[[], bool]) -> None:
@@ -124,6 +134,7 @@ class TerminationNotice:
                 if self._several:  # JAX's notifier spreads a SIGTERM to every process
                     os.kill(os.getpid(), signal.SIGTERM)
                 else:
+                    self.received_at = time.monotonic()
                     self._flag.set()
                 return
 
@@ -143,14 +154,95 @@ class TerminationNotice:
             self._previous = None
 
 
-def announce(step: int, directory: str) -> None:
+def announce(step: int, directory: str, grace_period: float = 0.0) -> None:
     """The line every process prints when it stops for a preemption."""
+    then = f"training on for the grace period ({grace_period:g} s)" if grace_period else "exiting"
     print(
         f"mirrored: preempted at step {step} (process {jax.process_index()}): saving a "
-        f"checkpoint in {directory}, then exiting",
+        f"checkpoint in {directory}, then {then}",
         file=sys.stderr,
         flush=True,
     )
+
+
+_GRACE_NOTICE = "mirrored/grace/final"  # process 0: the grace period ends
+_GRACE_STEPS = "mirrored/grace/steps/"  # each process' step when it read that
+AGREE_TIMEOUT_S = 60.0
+
+
+class GraceCountdown:
+    """After the first preemption checkpoint of a grace period: when (at which step, the same
+    on every process) to save the last one.
+
+    Process 0 decides that the time has come (the period's end minus `margin` and twice the
+    longest step so far) and says so in JAX's key-value store. A thread in each process reads
+    that, publishes the last step its loop asked about and waits for every process' number,
+    holding the loop at its next question meanwhile; all agree on the largest plus one. The
+    thread, not the loop, answers (as in JAX's own preemption sync): a loop may be waiting in
+    a collective of a step that needs the others, so it cannot be the one to answer.
+    """
+
+    def __init__(self, deadline: float, margin: float) -> None:
+        self._deadline = deadline
+        self._margin = margin
+        self._agreed: int | None = None
+        self._error: Exception | None = None
+        self._told = False
+        self._current = -1
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._longest = 0.0
+        if jax.process_count() > 1:
+            threading.Thread(target=self._agree, name="mirrored-grace", daemon=True).start()
+
+    def reached(self, step: int) -> bool:
+        """Whether every process saves its final checkpoint at `step` (call before each step)."""
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._last)
+        self._last = now
+        due = now + self._margin + 2 * self._longest >= self._deadline
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._current = step
+            if self._agreed is None and due:
+                if jax.process_count() == 1:
+                    self._agreed = step
+                elif jax.process_index() == 0 and not self._told:
+                    _client().key_value_set(_GRACE_NOTICE, "1")
+                    self._told = True
+            return self._agreed is not None and step >= self._agreed
+
+    def _agree(self) -> None:
+        client = _client()
+        rank, count = jax.process_index(), jax.process_count()
+        while True:
+            try:
+                client.key_value_try_get(_GRACE_NOTICE)
+                break
+            except Exception:  # not yet
+                time.sleep(0.05)
+        with self._lock:
+            client.key_value_set(f"{_GRACE_STEPS}{rank}", str(self._current))
+            stop = time.monotonic() + AGREE_TIMEOUT_S
+            steps: list[tuple[str, str]] = []
+            while time.monotonic() < stop:
+                steps = client.key_value_dir_get(_GRACE_STEPS)
+                if len(steps) == count:
+                    self._agreed = max(int(value) for _, value in steps) + 1
+                    return
+                time.sleep(0.01)
+            self._error = TimeoutError(
+                f"Expected every one of the {count} processes to report its step for the "
+                f"final preemption checkpoint within {AGREE_TIMEOUT_S:g} s; found "
+                f"{len(steps)}. Fix: call handler.run at every step on every process."
+            )
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    return distributed.global_state.client
 
 
 class PreemptionCheckpointHandler:
@@ -209,6 +301,9 @@ class PreemptionCheckpointHandler:
         self._directory = os.path.abspath(os.fspath(checkpoint_dir))
         self._exit_fn = config.exit_fn or (lambda: sys.exit(RESTART_EXIT_CODE))
         self._save_fn = config.save_fn
+        self._grace_period = float(config.grace_period or 0.0)
+        self._countdown: GraceCountdown | None = None
+        self._times: collections.deque[float] = collections.deque(maxlen=NOTICE_STEPS + 1)
         self._run_counter = self._restore()
         self._notice = TerminationNotice(config.termination_watcher_fn)
 
@@ -235,15 +330,34 @@ class PreemptionCheckpointHandler:
 
     def _check_preemption_and_maybe_checkpoint(self) -> None:
         step = self._run_counter
-        if not self._notice.reached(step):
+        self._times.append(time.monotonic())
+        if self._countdown is not None:  # in the grace period: is it time for the last save?
+            if not self._countdown.reached(step):
+                return
+            print(
+                f"mirrored: the grace period ends: saving the final checkpoint at step {step} "
+                f"(process {jax.process_index()}) in {self._directory}, then exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif not self._notice.reached(step):
             return
-        self._notice.close()
-        announce(step, self._directory)
+        else:
+            announce(step, self._directory, self._grace_period)
+        started = time.monotonic()
         if self._save_fn is not None:
             self._save_fn()
         else:
             self._save(step)
         logger.info("Preemption checkpoint %d saved in %s", step, self._directory)
+        if self._grace_period and self._countdown is None:
+            # One process knows when the notice came; with several it came a few steps before
+            # the agreed one, on whichever process got it: counted from NOTICE_STEPS back.
+            noticed = self._notice.received_at or self._times[0]
+            saving = time.monotonic() - started
+            self._countdown = GraceCountdown(noticed + self._grace_period, saving + 1.0)
+            return
+        self._notice.close()
         self._exit_fn()
 
     def _save(self, step: int) -> None:
