@@ -23,13 +23,21 @@ from _helpers import SmallMLP, global_batches, train_step  # noqa: E402
 
 
 class KillAt(mirrored.callbacks.Callback):
+    """SIGKILL this process after its `step`-th batch (on the first attempt only: a restart by
+    `mirrored launch --max-restarts` runs to the end); counts the batches it ran."""
+
     def __init__(self, step):
         self.step, self.done = step, 0
+        self.first = os.environ.get("MIRRORED_RESTART_COUNT", "0") == "0"
 
     def on_train_batch_end(self, batch, logs=None):
         self.done += 1
-        if self.done == self.step:
+        if self.done == self.step and self.first:
+            print(f"killed after batch {self.done}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_end(self, logs=None):
+        print(f"batches run {self.done}", flush=True)
 
 
 def flat(model):
@@ -90,9 +98,9 @@ def main():
         )
     callbacks = [mirrored.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt"), monitor="loss")]
     if args.backup:
-        callbacks.append(mirrored.callbacks.BackupAndRestore(args.backup, save_freq=2))
-    if rank == args.kill_rank:
-        callbacks.append(KillAt(args.kill_at))
+        callbacks.append(mirrored.callbacks.BackupAndRestore(args.backup, save_freq=3))
+    if args.kill_rank >= 0:
+        callbacks.append(KillAt(args.kill_at if rank == args.kill_rank else -1))
     history = trainer.fit(x, y, batch_size=32, epochs=3, callbacks=callbacks, verbose=1)
     predictions = trainer.predict(x[:37], batch_size=16)  # every process: it runs steps
     # 3. distribute_datasets_from_function, ragged differently on each process at the end:

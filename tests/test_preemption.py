@@ -413,6 +413,8 @@ def test_the_survivor_of_a_dead_peer_exits_with_43_not_sigabrt(tmp_path, dead):
     assert codes[dead] == 3
     assert codes[survivor] == 43, outputs[survivor][-3000:]
     assert "exits with code 43" in outputs[survivor]
+    # named from its liveness port, which refuses connections once the process is gone
+    assert f"Process {dead} (worker {dead}) is no longer alive" in outputs[survivor]
 
 
 # -- an error in one worker (item 8) ---------------------------------------------------------------

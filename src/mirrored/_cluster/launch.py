@@ -61,10 +61,13 @@ def _pump(stream: IO[str], rank: int, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def _stop(processes: Sequence[subprocess.Popen[str]], grace_s: float) -> None:
-    # SIGTERM first; a process that initialised jax.distributed may ignore it, so SIGKILL after.
+def _stop(processes: Sequence[subprocess.Popen[str]], grace_s: float, terminate: bool) -> None:
+    """Every process ended within `grace_s`, then SIGKILLed. `terminate`: SIGTERM them first
+    (a preemption: each saves its checkpoint); else (a worker failed) they are left to exit by
+    themselves, which they do within a second when a peer is gone (43), with no preemption
+    save attempted against a dead peer."""
     alive = [p for p in processes if p.poll() is None]
-    for p in alive:
+    for p in alive if terminate else ():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -124,13 +127,21 @@ def launch(
                 return code
             attempt += 1
             print(
-                f"mirrored launch: worker {rank} exited with code {code}; restarting all "
+                f"mirrored launch: worker {rank} {_how(code)}; restarting all "
                 f"{num_processes} workers (restart {attempt}/{max_restarts})",
                 flush=True,
             )
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _how(code: int) -> str:
+    """How a worker ended, from its exit code (128 + N: signal N, as shells report it)."""
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(code - 128).name} (exit code {code})"
+    return f"exited with code {code}"
 
 
 def _attempt(
@@ -175,19 +186,19 @@ def _attempt(
     try:
         while True:
             if terminated.is_set():
-                _stop(processes, grace_s)  # SIGTERM: each worker's preemption checkpoint
+                _stop(processes, grace_s, terminate=True)  # each one's preemption checkpoint
                 break
             codes = [p.poll() for p in processes]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 failure = failed[0]
-                _stop(processes, grace_s)
+                _stop(processes, grace_s, terminate=False)
                 break
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
-        _stop(processes, grace_s)
+        _stop(processes, grace_s, terminate=True)
         failure = (-1, 130)
     for pump in pumps:
         pump.join(timeout=5)

@@ -17,11 +17,16 @@ import os
 
 import jax
 
-from mirrored._cluster.rendezvous import bind_address, initialization_seconds, rendezvous
+from mirrored._cluster.rendezvous import (
+    bind_address,
+    coordinator_host,
+    initialization_seconds,
+    rendezvous,
+)
 from mirrored._cluster.resolvers import ClusterResolver, resolve_cluster
 from mirrored._core.devices import device_name
 from mirrored._core.platform import _backends_initialized, simulate_cpu_devices
-from mirrored._run.errors import exit_cleanly_on_peer_failure
+from mirrored._run.errors import exit_cleanly_on_peer_failure, listen_for_liveness_probes
 from mirrored._strategy.strategy import Strategy
 
 logger = logging.getLogger("mirrored")
@@ -56,6 +61,7 @@ def _initialize(resolver: ClusterResolver, timeout_s: float) -> None:
         coordinator_bind_address=bind_address(resolver),
     )
     exit_cleanly_on_peer_failure()  # a dead peer: a clear error and code 43, not SIGABRT
+    listen_for_liveness_probes(coordinator_host(resolver))  # which peer died: named at once
 
 
 class MultiWorkerMirroredStrategy(Strategy):

@@ -103,6 +103,11 @@ def bind_address(resolver: ClusterResolver) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def coordinator_host(resolver: ClusterResolver) -> str:
+    """The coordinator's host name or address."""
+    return _host_and_port(resolver.coordinator_address)[0]
+
+
 def _listen(resolver: ClusterResolver, port: int) -> socket.socket:
     host = _host_and_port(resolver.coordinator_address)[0]
     try:

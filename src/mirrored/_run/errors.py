@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from mirrored._nnx import metrics
 from mirrored._run.arguments import _SPLIT, _STACKED
 
 loss_logger = logging.getLogger("mirrored.loss")
+logger = logging.getLogger("mirrored")
 
 
 def _warn_per_replica_mean(
@@ -161,15 +163,57 @@ def _bounded(call: Any, timeout_s: float) -> list[Any]:
     return answer
 
 
-def _dead_processes(timeout_s: float = 2.0) -> list[int]:
-    """The processes JAX's coordination service no longer counts alive; [] when it does not
-    know."""
+_ALIVE_DIR = "mirrored/alive/"  # each process' liveness port, "host:port"
+_PROBE_SOCKET: list[socket.socket] = []  # this process' (never accepted: the kernel answers)
+_PEER_ADDRESSES: dict[int, tuple[str, int]] = {}  # the others', read once all are there
+PROBE_TIMEOUT_S = 1.0
+
+
+def listen_for_liveness_probes(coordinator_host: str) -> None:
+    """Open a port that says "this process is alive" (a connection to it succeeds while the
+    process lives and is refused once it is gone) and publish it in JAX's key-value store, on
+    the interface that reaches the coordinator (loopback for a one-machine job).
+
+    A survivor of a collective failure probes every peer's port to name the dead ones at once:
+    JAX's coordination service only notices after its heartbeat timeout, and asking it then
+    blocks until every live process asks too."""
     client = _client()
-    if client is None:
-        return []
-    count = jax.process_count()
-    answer = _bounded(lambda: client.get_live_nodes(list(range(count))), timeout_s)
-    return [p for p in range(count) if answer and p not in answer[0]]
+    if client is None or _PROBE_SOCKET:
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # sends nothing
+            route.connect((coordinator_host, 9))
+            host = route.getsockname()[0]
+        listener = socket.create_server((host, 0), backlog=64)
+        port = listener.getsockname()[1]
+        client.key_value_set(f"{_ALIVE_DIR}{jax.process_index()}", f"{host}:{port}")
+    except (OSError, RuntimeError) as error:  # an IPv6-only host, say: no naming, no harm
+        logger.debug("No liveness port: %s", error)
+        return
+    _PROBE_SOCKET.append(listener)
+
+
+def _read_peer_addresses(client: Any) -> None:
+    if len(_PEER_ADDRESSES) == jax.process_count() - 1 or not _PROBE_SOCKET:
+        return
+    with contextlib.suppress(Exception):
+        for key, value in client.key_value_dir_get(_ALIVE_DIR):
+            rank = int(key.rsplit("/", 1)[-1])
+            host, port = value.rsplit(":", 1)
+            if rank != jax.process_index():
+                _PEER_ADDRESSES[rank] = (host, int(port))
+
+
+def _dead_processes() -> list[int]:
+    """The peers whose liveness port refuses a connection (they are gone); a peer on a lost
+    machine, whose probe times out, is counted too. [] when the ports are not known."""
+    dead = []
+    for rank, address in sorted(_PEER_ADDRESSES.items()):
+        try:
+            socket.create_connection(address, timeout=PROBE_TIMEOUT_S).close()
+        except OSError:
+            dead.append(rank)
+    return dead
 
 
 def _publish_failure(error: BaseException) -> None:
@@ -202,6 +246,7 @@ def _watch_for_peer_failures(stop: threading.Event) -> None:
     client = _client()
     rank = jax.process_index()
     while not stop.wait(WATCH_INTERVAL_S):
+        _read_peer_addresses(client)
         try:
             message = client.key_value_try_get(FAILURE_KEY)
         except Exception:  # not there yet, or the service is gone
@@ -225,14 +270,14 @@ def _watch_for_peer_failures(stop: threading.Event) -> None:
 
 
 def _peer_failure_text() -> str:
-    """The failed peer's own message when it published one; else, in process 0 (whose service
-    answers at once), the processes it no longer counts alive. Another process does not ask:
-    if process 0 died, JAX's client aborts this one within milliseconds, and the question
-    would only lose the race to exit first."""
+    """The failed peer's own message when it published one; else the peers that are gone."""
     if _PEER_FAILURE:
         return f" The first failure: {_PEER_FAILURE[0]}."
-    dead = _dead_processes() if jax.process_index() == 0 else []
-    return f" Process {', '.join(map(str, dead))} is no longer alive." if dead else ""
+    dead = _dead_processes()
+    if not dead:
+        return ""
+    names = ", ".join(f"process {r} (worker {r})" for r in dead)
+    return f" {names[0].upper()}{names[1:]} {'is' if len(dead) == 1 else 'are'} no longer alive."
 
 
 def exit_cleanly_on_peer_failure() -> None:
@@ -261,7 +306,7 @@ def exit_cleanly_on_peer_failure() -> None:
         previous(kind, value, traceback)
         if isinstance(value, PeerFailureError) or _collective_failure(value):
             if not isinstance(value, PeerFailureError):
-                known = f" The first failure: {_PEER_FAILURE[0]}." if _PEER_FAILURE else ""
+                known = _peer_failure_text()
                 print(
                     "mirrored: a collective between the worker processes failed (a peer most "
                     f"likely died).{known} This process exits with code "
