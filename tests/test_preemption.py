@@ -80,19 +80,32 @@ def uninterrupted(tmp_path_factory):
     return _result(out)
 
 
-def test_sigterm_saves_the_step_exits_42_and_a_restart_resumes_bitwise(tmp_path, uninterrupted):
+@pytest.mark.parametrize("signal_at", [0, 3], ids=["the-first-step", "mid-run"])
+def test_sigterm_saves_the_step_exits_42_and_a_restart_resumes_bitwise(
+    tmp_path, uninterrupted, signal_at
+):
     """One process (TensorFlow's local mode). Before: SIGTERM killed it at once (-15), nothing
     saved."""
-    preempted = _one_process(tmp_path, "--sigterm-rank", "0", "--sigterm-at", "3")
+    preempted = _one_process(tmp_path, "--sigterm-rank", "0", "--sigterm-at", str(signal_at))
     assert preempted.returncode == 42, preempted.stderr[-3000:]
-    assert _preempted_steps(preempted.stderr) == {4}  # the signal came during step 3
-    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == ["4"]
+    step = signal_at + 1  # the signal came during step `signal_at`
+    assert _preempted_steps(preempted.stderr) == {step}
+    assert sorted(p.name for p in (tmp_path / "preemption").iterdir()) == [str(step)]
     resumed = _one_process(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "starts at step 4" in resumed.stdout
+    assert f"starts at step {step}" in resumed.stdout
     result = _result(tmp_path)
-    assert list(result["ran"]) == [4, 8]
+    assert list(result["ran"]) == [step, 8]
     _assert_bitwise_equal(result, uninterrupted)
+
+
+def test_a_notice_in_the_last_step_lets_the_loop_finish(tmp_path, uninterrupted):
+    """The agreed step is the one after the signal; when the loop ends first, it just ends
+    (TensorFlow's behaviour): no checkpoint, exit 0, the uninterrupted result."""
+    run = _one_process(tmp_path, "--sigterm-rank", "0", "--sigterm-at", "7")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not _preempted_steps(run.stderr) and not (tmp_path / "preemption").exists()
+    _assert_bitwise_equal(_result(tmp_path), uninterrupted)
 
 
 @pytest.mark.parametrize(
@@ -254,24 +267,38 @@ def _fit(backup, out, *extra):
     )
 
 
-@pytest.mark.slow
-def test_a_preempted_fit_backs_up_exits_42_and_resumes_bitwise(tmp_path):
-    """tf-keras' BackupAndRestore(save_freq=False, save_before_preemption=True): SIGTERM in
-    epoch 2 (200 rows in batches of 32: 7 steps an epoch) backs up at the next step and exits
-    42; the rerun resumes there and ends as a fit never interrupted. Before: SIGTERM killed
-    the process (-15) with nothing saved."""
-    clean = _fit(tmp_path / "clean_backup", tmp_path / "clean.npz")
+@pytest.fixture(scope="module")
+def clean_fit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean_fit")
+    clean = _fit(out / "backup", out / "clean.npz")
     assert clean.returncode == 0, clean.stderr[-3000:]
-    preempted = _fit(tmp_path / "backup", tmp_path / "x.npz", "--sigterm-at", "10")
+    return np.load(out / "clean.npz")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signal_at", "saved_at"),
+    [(6, 7), (10, 11), (20, 21)],
+    ids=["an-epochs-last-step", "mid-epoch", "the-final-step"],
+)
+def test_a_preempted_fit_backs_up_exits_42_and_resumes_bitwise(
+    tmp_path, clean_fit, signal_at, saved_at
+):
+    """tf-keras' BackupAndRestore(save_freq=False, save_before_preemption=True): SIGTERM in
+    step `signal_at` (200 rows in batches of 32: 7 steps an epoch, 21 in all) backs up at the
+    next step and exits 42 — also when that step ends an epoch (before its epoch-end work) or
+    the whole fit; the rerun resumes there and ends as a fit never interrupted. Before:
+    SIGTERM killed the process (-15) with nothing saved."""
+    preempted = _fit(tmp_path / "backup", tmp_path / "x.npz", "--sigterm-at", str(signal_at))
     assert preempted.returncode == 42, preempted.stderr[-3000:]
-    assert _preempted_steps(preempted.stderr) == {11}  # the step after the signal
+    assert _preempted_steps(preempted.stderr) == {saved_at}  # the step after the signal
     assert len(list((tmp_path / "backup").iterdir())) == 1  # the preemption backup, kept
     resumed = _fit(tmp_path / "backup", tmp_path / "resumed.npz")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, got = np.load(tmp_path / "clean.npz"), np.load(tmp_path / "resumed.npz")
-    assert set(expected.files) == set(got.files)
-    for name in expected.files:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    got = np.load(tmp_path / "resumed.npz")
+    assert set(clean_fit.files) == set(got.files)
+    for name in clean_fit.files:
+        np.testing.assert_array_equal(got[name], clean_fit[name], err_msg=name)
     assert not (tmp_path / "backup").exists()  # deleted after the completed fit
 
 
