@@ -1,10 +1,13 @@
-"""Re-save checkpoint 1 of DIRECTORY with VALUE (python _resave_kill.py DIRECTORY VALUE HOOK),
-killing this process with SIGKILL at HOOK (test_checkpoint_kills.py):
+"""Re-save checkpoint 1 of DIRECTORY with VALUE (python _resave_kill.py DIRECTORY VALUE HOOK
+[new]), killing this process with SIGKILL at HOOK (test_checkpoint_kills.py):
 
     aside          the old step 1 moved aside, before the new save starts
     half           the new save's temporary directory holding part of the new state
     before_rename  the new save written, before Orbax renames it into step 1
     renamed        the new step 1 complete, before the old copy is deleted
+
+With `new`, save step 2 instead, keeping one (max_to_keep=1, as a preemption checkpoint and
+BackupAndRestore do): `renamed` is then step 2 complete, before Orbax deletes step 1.
 """
 
 import os
@@ -20,6 +23,7 @@ from flax import nnx
 import mirrored
 
 DIRECTORY, VALUE, HOOK = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+NEW = sys.argv[4:] == ["new"]
 SIZE = 2300  # a 2300 x 2300 float32 kernel: 21 MB
 
 
@@ -62,6 +66,14 @@ if HOOK == "aside":
             die()
 
     os.replace = replace_then_die
+elif HOOK == "renamed" and NEW:
+    from orbax.checkpoint._src.path import deleter
+
+    def die_before_deleting_the_old_step(self, *args, **kwargs):
+        die()
+
+    deleter.StandardCheckpointDeleter.delete = die_before_deleting_the_old_step
+    deleter.StandardCheckpointDeleter.delete_steps = die_before_deleting_the_old_step
 elif HOOK == "renamed":
     rmtree = shutil.rmtree
 
@@ -83,5 +95,5 @@ elif HOOK == "half":
 else:
     raise SystemExit(f"unknown hook {HOOK!r}")
 
-mirrored.save_checkpoint(DIRECTORY, model(VALUE), step=1, extras={"value": VALUE})
+mirrored.save_checkpoint(DIRECTORY, model(VALUE), step=2 if NEW else 1, extras={"value": VALUE})
 print("saved without being killed")  # the test fails on this

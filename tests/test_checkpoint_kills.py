@@ -64,3 +64,35 @@ def test_a_resave_killed_midway_finds_a_complete_copy_and_cleans_up(saved, tmp_p
 
     mirrored.save_checkpoint(directory, _model(3.0), step=2)  # the next save cleans up
     assert sorted(os.listdir(directory)) == ["2"]
+
+
+# A save of a new step, keeping one (a preemption checkpoint, BackupAndRestore): the step found.
+NEW_STEP_HOOKS = {"half": 1, "before_rename": 1, "renamed": 2}
+
+
+@pytest.mark.parametrize("hook", sorted(NEW_STEP_HOOKS))
+def test_a_new_save_killed_midway_restores_the_previous_or_the_new_step(saved, tmp_path, hook):
+    """Step 1 (1.0) on disk, step 2 (2.0) saved with max_to_keep=1 and killed at `hook`: the
+    restore finds step 1 or step 2 whole, with its own extras, never a mix; the next save
+    removes the leftovers."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved, directory)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(directory), "2.0", hook, "new"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stdout, run.stderr[-2000:])
+    step = NEW_STEP_HOOKS[hook]
+
+    assert mirrored.latest_checkpoint(directory) == str(directory / str(step))
+    restored = _model(0.0)
+    assert mirrored.restore_checkpoint(directory, restored) == step
+    np.testing.assert_array_equal(restored.kernel[...], np.full((SIZE, SIZE), float(step)))
+    np.testing.assert_array_equal(restored.bias[...], np.full((SIZE,), float(step)))
+    assert mirrored.checkpoint_extras(directory) == {"value": float(step)}
+
+    mirrored.save_checkpoint(directory, _model(3.0), step=3)  # the next save cleans up
+    assert sorted(os.listdir(directory)) == ["3"]
