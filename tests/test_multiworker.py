@@ -182,15 +182,15 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("killed", [1, 0], ids=["worker", "chief"])
-def test_a_killed_worker_is_restarted_by_the_launcher_and_resumes_bitwise(
-    tmp_path, two_processes, killed
-):
-    """kill -9 of one worker (the chief too) in fit's 9th batch of 21, under `mirrored launch
-    --max-restarts 1` and BackupAndRestore(save_freq=3): the launcher stops the other one,
-    restarts both, and the job ends bitwise equal to one never interrupted, with at most 3
-    batches run twice."""
+def test_a_killed_worker_is_restarted_by_the_launcher_and_resumes_bitwise(tmp_path, two_processes):
+    """kill -9 of the chief (the hard case: JAX's client aborts the other worker, whose
+    coordination service was in the chief; the launcher restarts regardless) in fit's 9th
+    batch of 21, under `mirrored launch --max-restarts 1` and BackupAndRestore(save_freq=3):
+    the launcher stops the other one, restarts both, and the job ends bitwise equal to one
+    never interrupted, with at most 3 batches run twice. (Killing worker 1 instead was
+    measured the same; its survivor's exit, 43, is test_preemption's dead-peer test.)"""
     clean_dir, _ = two_processes  # the same job, never interrupted
+    killed = 0
     extra = ["--backup", str(tmp_path / "backup"), "--kill-rank", str(killed), "--kill-at", "9"]
     run = launch(tmp_path / "run", 2, 2, *extra, restarts=1)
     assert run.returncode == 0, run.stdout[-3000:]
