@@ -179,6 +179,16 @@ def check_max_to_keep(max_to_keep: Any) -> None:
         )
 
 
+def check_step(step: Any) -> None:
+    """A checkpoint's step names its directory and orders it: a non-negative int."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(
+            f"Expected step to be an int >= 0 (it names the checkpoint's directory and orders "
+            f"checkpoints: the newest is the largest); found {step!r}. Fix: e.g. step=epoch; "
+            "to keep a 'best' checkpoint apart, save it in its own directory."
+        )
+
+
 def _extra_value(name: Any, value: Any) -> Any:
     """`value` as Orbax saves it; refuses what would not come back as it was."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -440,6 +450,7 @@ def save_objects(
     """`save_checkpoint` of any named objects (NNX modules and optimizers, Keras models and
     optimizers): every check first, then one atomic step directory."""
     check_max_to_keep(max_to_keep)
+    check_step(step)
     entries = extras_arrays(extras)
     check_built(objects, "save")
     checkpoints = Checkpoints(directory, max_to_keep=max_to_keep)

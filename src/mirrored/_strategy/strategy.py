@@ -168,6 +168,7 @@ class Strategy:
 
         Differs from tf.distribute: state is passed as arguments, never captured by closure.
         """
+        _check_callable(fn, "strategy.run(fn)")
         if _context.current_replica_context() is not None:
             raise RuntimeError(
                 "Expected strategy.run to be called from the host (cross-replica context); found "
@@ -311,6 +312,7 @@ class Strategy:
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
         """Build a `PerReplica` from `value_fn(ValueContext)`, called once per local replica."""
+        _check_callable(value_fn, "experimental_distribute_values_from_function(value_fn)")
         n = self.num_replicas_in_sync
         local = [
             (i, d)
@@ -502,3 +504,11 @@ def get_replica_context() -> _context.ReplicaContext | None:
     if not _default_replica:  # one object, as TensorFlow's default replica context
         _default_replica.append(_context.ReplicaContext(_default_strategy(), in_spmd=False))
     return _default_replica[0]
+
+
+def _check_callable(fn: Any, where: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"Expected {where} to be a function; found {type(fn).__name__} {fn!r}. Fix: pass "
+            "the function itself, e.g. strategy.run(train_step, args=(model, x)), not its result."
+        )

@@ -14,6 +14,7 @@ import numpy as np
 from mirrored._core.values import to_host
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._strategy.strategy import Strategy
+from mirrored._train import arguments as _arguments
 from mirrored._train.batches import (
     _batch_args,
     _eager_when_asked,
@@ -103,8 +104,8 @@ class Evaluation:
         *,
         batch_size: int | None = None,
         sample_weight: Any = None,
-        callbacks: Sequence[Callback] = (),
-        verbose: int = 0,
+        callbacks: Sequence[Callback] | Callback | None = (),
+        verbose: int | str = 0,
     ) -> dict[str, float]:
         """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas.
 
@@ -112,6 +113,11 @@ class Evaluation:
         Keras' test hooks (`on_test_begin`, `on_test_batch_end`, ...). `verbose=1` shows a
         progress bar on a terminal (one line elsewhere), as `fit` does; the default is quiet.
         """
+        callbacks = _arguments.as_callbacks(callbacks)
+        verbose = _arguments.check_verbose(verbose)
+        _arguments.check_labels_given(x, y, "evaluate")
+        if _is_arrays(x):
+            _arguments.check_model_input(self.model, x, None, "evaluate")
         if y is None and sample_weight is not None:
             raise ValueError(
                 "Expected labels y together with sample_weight; found y=None. Fix: "
@@ -138,15 +144,18 @@ class Evaluation:
         x: Any,
         *,
         batch_size: int | None = None,
-        verbose: int = 0,
-        callbacks: Sequence[Callback] = (),
+        verbose: int | str = 0,
+        callbacks: Sequence[Callback] | Callback | None = (),
     ) -> Any:
         """Model outputs for every example of `x`, as NumPy, in input order, without padding.
 
         `callbacks` get Keras' predict hooks (`on_predict_begin`, `on_predict_batch_end` with
         `logs["outputs"]`, ...).
         """
-        del verbose
+        callbacks = _arguments.as_callbacks(callbacks)
+        verbose = _arguments.check_verbose(verbose)
+        if _is_arrays(x):
+            _arguments.check_model_input(self.model, x, None, "predict")
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
         callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})

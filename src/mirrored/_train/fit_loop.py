@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,9 +17,11 @@ from mirrored._data import batching as _batching
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._proof import profile as _profile
 from mirrored._strategy.strategy import Strategy
+from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
 from mirrored._train.batches import (
     _batch_args,
+    _check_batch_size,
     _eager_when_asked,
     _is_arrays,
     _Logs,
@@ -73,10 +75,11 @@ class FitLoop:
         validation_split: float = 0.0,
         sample_weight: Any = None,
         shuffle: bool = True,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Callback] | Callback | None = (),
         initial_epoch: int = 0,
-        verbose: int = 1,
+        verbose: int | str = 1,
         seed: int = 0,
+        class_weight: Mapping[int, float] | None = None,
     ) -> History:
         """Train for `epochs` epochs; returns the `History`.
 
@@ -90,9 +93,32 @@ class FitLoop:
         As in Keras: `sample_weight` (one weight per example of `x`) weights the loss that is
         trained and logged; `validation_data` may be `(x, y)` or `(x, y, sample_weight)`;
         `validation_split` holds out the last `n - floor(n * (1 - validation_split))`
-        examples before shuffling.
+        examples before shuffling. `class_weight` (`{class: weight}`, in-memory labels)
+        weights each example by its class, as Keras does (training only; not with
+        `sample_weight`).
+
+        Every argument is checked before anything runs or changes (types, ranges, lengths,
+        the callbacks' paths, the model against one example of x).
         """
-        if not 0.0 <= validation_split < 1.0:
+        callbacks = _arguments.as_callbacks(callbacks)
+        verbose = _arguments.check_verbose(verbose)
+        _arguments.check_fit(
+            x=x,
+            y=y,
+            epochs=epochs,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle,
+            validation_data=validation_data,
+        )
+        _check_batch_size(batch_size)
+        if class_weight is not None:
+            sample_weight = _arguments.class_sample_weights(y, class_weight, sample_weight)
+        for callback in callbacks:
+            callback.check()
+        if _is_arrays(x):
+            _arguments.check_model_input(self.model, x, self.rngs, "fit")
+        if not isinstance(validation_split, float | int) or not 0.0 <= validation_split < 1.0:
             raise ValueError(
                 f"Expected validation_split in [0, 1); found {validation_split!r}. Fix: e.g. "
                 "validation_split=0.1 holds out the last 10% of the arrays."
@@ -193,6 +219,8 @@ class FitLoop:
                     callback_list.on_train_batch_begin(step, logs={})
                 if epoch == first_epoch and step == first_step:
                     first = chunk[0] if data is None else self._rows(data, chunk[0][0])
+                    if not _is_arrays(x):  # arrays were checked before anything began
+                        _arguments.check_model_input(self.model, first[0], self.rngs, "fit")
                     self._check_first_batch(first, y)
                 self._train_on(chunk, data)
                 step += len(chunk)

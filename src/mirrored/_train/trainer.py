@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -135,6 +135,13 @@ class Trainer(FitLoop, Evaluation):
         self.policy = global_policy() if policy is None else _as_policy(policy)
         self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
+        for name, given in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
+            if isinstance(given, str) or not isinstance(given, Sequence):
+                raise TypeError(
+                    f"Expected {name} to be a list of metrics (names, functions or metric "
+                    f"objects), as Keras' compile; found {given!r}. Fix: {name}=[{given!r}]."
+                )
+        optimizer = _named_optimizer(optimizer)
         with self.strategy.scope():  # stateful metrics hold mirrored sums
             resolved = [_objectives.get_metric(m, self.loss) for m in metrics]
             resolved_weighted = [_objectives.get_metric(m, self.loss) for m in weighted_metrics]
@@ -372,6 +379,41 @@ class Trainer(FitLoop, Evaluation):
 
 def _as_policy(policy: Policy | str) -> Policy:
     return policy if isinstance(policy, Policy) else Policy(policy)
+
+
+# Keras' optimizer names with Keras' default hyperparameters (compile(optimizer="adam")).
+_OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "sgd": lambda: optax.sgd(0.01),
+    "adam": lambda: optax.adam(1e-3, b1=0.9, b2=0.999, eps=1e-7),
+    "adamw": lambda: optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-7, weight_decay=0.004),
+    "rmsprop": lambda: optax.rmsprop(1e-3, decay=0.9, eps=1e-7, eps_in_sqrt=False),
+    "adagrad": lambda: optax.adagrad(1e-3, initial_accumulator_value=0.1, eps=1e-7),
+    "adamax": lambda: optax.adamax(1e-3, b1=0.9, b2=0.999, eps=1e-7),
+    "nadam": lambda: optax.nadam(1e-3, b1=0.9, b2=0.999, eps=1e-7),
+    "adadelta": lambda: optax.adadelta(1e-3, rho=0.95, eps=1e-7),
+    "lion": lambda: optax.lion(1e-3, b1=0.9, b2=0.99, weight_decay=0.0),
+}
+
+
+def _named_optimizer(optimizer: Any) -> Any:
+    """Keras' `compile(optimizer="adam")`: a name is the Optax transformation with Keras'
+    default hyperparameters; anything else must be an Optax transformation or an optimizer."""
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in _OPTIMIZERS:
+            raise ValueError(
+                f"Expected an optimizer name from {sorted(_OPTIMIZERS)}; found {optimizer!r}. "
+                "Fix: one of those (Keras' defaults), or an Optax transformation such as "
+                "optax.adam(1e-3)."
+            )
+        return _OPTIMIZERS[key]()
+    if isinstance(optimizer, nnx.Optimizer | LossScaleOptimizer | optax.GradientTransformation):
+        return optimizer
+    raise TypeError(
+        "Expected optimizer to be an Optax transformation (optax.adam(1e-3)), an "
+        f"nnx.Optimizer, or a Keras optimizer name ('adam'); found {type(optimizer).__name__} "
+        f"{optimizer!r}. Fix: e.g. Trainer(model, optax.adam(1e-3), ...)."
+    )
 
 
 def _build_optimizer(

@@ -41,6 +41,10 @@ class Callback:
         """The Trainer, so that `self.model.stop_training = True` works as in Keras."""
         return self.trainer
 
+    def check(self) -> None:
+        """Raise if this callback cannot work (a path that cannot be written, say): `fit`
+        asks every callback before anything runs or changes. Override it for your own."""
+
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None: ...
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, float] | None = None) -> None: ...

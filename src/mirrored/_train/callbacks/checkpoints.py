@@ -48,6 +48,17 @@ class ModelCheckpoint(Callback):
     ) -> None:
         _checkpoint.check_max_to_keep(max_to_keep)
         self.filepath = os.fspath(filepath)
+        if not self.filepath:
+            raise ValueError(
+                "Expected ModelCheckpoint(filepath) to be a directory path; found ''. Fix: "
+                "e.g. ModelCheckpoint('ckpt') or ModelCheckpoint('ckpt/{epoch:02d}')."
+            )
+        if os.path.isfile(self.filepath):
+            raise FileExistsError(
+                f"Expected ModelCheckpoint(filepath) to be a directory (a checkpoint is one); "
+                f"found the file {self.filepath!r}. Fix: name a directory, e.g. "
+                f"{self.filepath + '_ckpt'!r}, or remove the file."
+            )
         self.max_to_keep = max_to_keep
         self.monitor = monitor
         self.save_best_only = save_best_only
@@ -108,6 +119,12 @@ class BackupAndRestore(Callback):
                 f"{save_freq!r}."
             )
         self.backup_dir = os.fspath(backup_dir)
+        if not self.backup_dir or os.path.isfile(self.backup_dir):
+            raise ValueError(
+                f"Expected BackupAndRestore(backup_dir) to be a directory path; found "
+                f"{self.backup_dir!r}{' (a file)' if self.backup_dir else ''}. Fix: e.g. "
+                "BackupAndRestore('backup')."
+            )
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = bool(save_before_preemption)

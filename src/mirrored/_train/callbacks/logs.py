@@ -22,8 +22,36 @@ class CSVLogger(Callback):
         self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False
     ) -> None:
         self.filename = os.fspath(filename)
+        if not self.filename:
+            raise ValueError(
+                "Expected CSVLogger(filename) to be a file path; found ''. Fix: e.g. "
+                "CSVLogger('training.csv')."
+            )
         self.separator = separator
         self.append = append
+
+    def check(self) -> None:
+        """Keras opens the file when training begins: the file must be writable then, not
+        after the first epoch trained."""
+        if not _checkpoint.is_chief():
+            return
+        folder = os.path.dirname(os.path.abspath(self.filename))
+        if os.path.isdir(self.filename):
+            raise IsADirectoryError(
+                f"Expected CSVLogger's filename to be a file; found the directory "
+                f"{self.filename!r}. Fix: name a file in it, e.g. "
+                f"{os.path.join(self.filename, 'log.csv')!r}."
+            )
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"Expected CSVLogger's folder {folder!r} to exist (the log {self.filename!r} "
+                f"goes there); found none. Fix: os.makedirs({folder!r}, exist_ok=True) first."
+            )
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(
+                f"Expected to write CSVLogger's file in {folder!r}; found the folder not "
+                "writable. Fix: choose a folder you can write to."
+            )
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
         self._keys: list[str] | None = None
