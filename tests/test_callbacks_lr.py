@@ -311,7 +311,9 @@ def test_keys_a_callback_adds_reach_the_history(devices):
     assert history.history["double_loss"] == pytest.approx(2 * np.asarray(history.history["loss"]))
     mine = History()  # Keras: a History among the callbacks is the one returned
     assert trainer.fit(x, y, batch_size=8, callbacks=[mine], verbose=0) is mine
-    with pytest.raises(TypeError, match="Expected callbacks to be mirrored.callbacks.Callback instances"):
+    with pytest.raises(
+        TypeError, match="Expected callbacks to be mirrored.callbacks.Callback instances"
+    ):
         trainer.fit(x, y, callbacks=[object()], verbose=0)
 
 

@@ -23,7 +23,7 @@ def test_device_names(devices, spec):
 
 
 def test_missing_cpu_device_lists_the_ones_that_exist(devices):
-    with pytest.raises(ValueError, match="'/cpu:99' does not exist") as info:
+    with pytest.raises(ValueError, match="'/cpu:99', which does not exist") as info:
         mirrored.MirroredStrategy(["/cpu:0", "/cpu:99"])
     assert "/cpu:0, /cpu:1" in str(info.value) and "/cpu:7" in str(info.value)
 

@@ -196,7 +196,9 @@ def launch(
     devices_per_process: int | None = typer.Option(
         None, "--devices-per-process", min=1, help="Simulated CPU devices in each worker."
     ),
-    grace: float = typer.Option(5.0, help="Seconds between SIGTERM and SIGKILL on failure."),
+    grace: float = typer.Option(
+        5.0, min=0.0, help="Seconds the workers get to exit before SIGKILL, after a failure."
+    ),
     max_restarts: int = typer.Option(
         0,
         "--max-restarts",
@@ -211,6 +213,8 @@ def launch(
     (MIRRORED_RESTART_COUNT tells them which start this is); SIGTERM to the launcher reaches
     the workers, whose PreemptionCheckpointHandler saves, and the launcher exits 42.
     """
+    import os
+    import shutil
     import sys
 
     from mirrored._cluster.launch import launch as run_workers
@@ -219,6 +223,14 @@ def launch(
         typer.echo("error: expected a script: mirrored launch -n 2 train.py [args]", err=True)
         raise typer.Exit(2)
     script, *rest = ctx.args
+    if not (os.path.isfile(script) if script.endswith(".py") else shutil.which(script)):
+        typer.echo(
+            f"error: expected SCRIPT to be a .py file or a program on PATH; found {script!r}, "
+            "which is neither. Fix: check the path (relative to "
+            f"{os.getcwd()}), e.g. mirrored launch -n 2 train.py",
+            err=True,
+        )
+        raise typer.Exit(2)
     command = [sys.executable, script, *rest] if script.endswith(".py") else [script, *rest]
     code = run_workers(
         command,

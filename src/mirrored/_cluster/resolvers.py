@@ -57,6 +57,22 @@ def _tf_config_error(found: str, fix: str) -> ValueError:
     )
 
 
+def _check_addresses(name: str, addresses: Any) -> None:
+    """TensorFlow's schema: cluster.<type> is a list of "host:port" strings."""
+    if not isinstance(addresses, list):
+        raise _tf_config_error(
+            f"found cluster.{name} = {addresses!r} ({type(addresses).__name__})",
+            f'make cluster.{name} a list, even of one: "{name}": [{addresses!r}].',
+        )
+    for address in addresses:
+        host, _, port = str(address).rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not host or not port.isdigit():
+            raise _tf_config_error(
+                f"found {address!r} in cluster.{name}",
+                'write each address as "host:port", e.g. "10.0.0.1:12345".',
+            )
+
+
 class TFConfigClusterResolver(ClusterResolver):
     """TensorFlow's `TF_CONFIG`: `cluster.chief`/`cluster.worker` addresses and this `task`.
 
@@ -89,6 +105,8 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"found task={task!r}",
                 'give each process its task: {"type": "worker", "index": i}.',
             )
+        for name in ("chief", "worker"):
+            _check_addresses(name, cluster.get(name, []))
         chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
         kind, index = task["type"], task["index"]
         if kind not in ("chief", "worker"):

@@ -46,7 +46,8 @@ def _missing_device_error(spec: object, kind: str) -> ValueError:
         else ""
     )
     return ValueError(
-        f"Device {spec!r} does not exist. Devices that do exist: {available}.{hint} "
+        f"Expected devices of this machine; found {spec!r}, which does not exist. Devices "
+        f"that do exist: {available}.{hint} "
         "Fix: pass one of the devices listed, or devices=None for all local devices."
     )
 

@@ -439,7 +439,8 @@ def distribute_dataset(
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"Expected batch_size to be a positive int (the GLOBAL batch size); found "
-                f"{batch_size!r}."
+                f"{batch_size!r}. Fix: e.g. batch_size={32 * n} ({32} examples for each of "
+                f"the {n} replicas)."
             )
         if batch_size < n:
             _batching.per_replica_batch_size(batch_size, n)  # raises: 0 per replica

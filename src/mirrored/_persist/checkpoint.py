@@ -125,6 +125,10 @@ def _placed_rows(value: np.ndarray, current: jax.Array) -> jax.Array:
     return jax.make_array_from_callback(current.shape, current.sharding, lambda index: rows[index])
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint's files cannot be read (truncated, corrupt)."""
+
+
 def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], source: str) -> None:
     """Write `arrays` (from `state_arrays`) into the objects' variables, placed as they are.
 
@@ -133,22 +137,28 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
     """
     flat = {prefix: _flat_state(prefix, obj) for prefix, obj in objects.items()}
     # Every key and shape checked before the first write: a mismatch changes nothing.
+    missing, wrong = [], []
     for variables in flat.values():
         for key, var in variables.items():
             if key not in arrays:
-                raise ValueError(
-                    f"Expected the checkpoint at {source} to hold {key!r}; it does not. It was "
-                    "saved from a different model or optimizer. Fix: restore into the same "
-                    "architecture (and optimizer) that was saved."
-                )
+                missing.append(key)
+                continue
             current = raw_array(var.get_value())
             expected = current.shape[1:] if is_per_replica_state(current) else current.shape
             if arrays[key].shape != expected:
-                raise ValueError(
-                    f"Expected {key!r} of shape {expected} in the checkpoint at "
-                    f"{source}; found {arrays[key].shape}. Nothing was restored. Fix: restore "
-                    "into the architecture that was saved."
-                )
+                wrong.append(f"{key!r}: target {expected}, checkpoint {arrays[key].shape}")
+    if missing or wrong:
+        raise ValueError(
+            f"Expected the checkpoint at {source} to hold every variable of the target with its "
+            f"shape; found {len(missing)} missing and {len(wrong)} of another shape"
+            + (f"; missing: {', '.join(map(repr, missing[:3]))}" if missing else "")
+            + (" ..." if len(missing) > 3 else "")
+            + (f"; other shapes: {'; '.join(wrong[:3])}" if wrong else "")
+            + (" ..." if len(wrong) > 3 else "")
+            + ". It was saved from a different model or optimizer. Nothing was restored. Fix: "
+            "restore into the architecture (and optimizer) that was saved, or restore the "
+            "model alone (without the optimizer) from a checkpoint saved without one."
+        )
     for prefix, obj in objects.items():
         state = None if _is_keras(obj) else nnx.state(obj)
         for key, var in flat[prefix].items():
@@ -501,8 +511,18 @@ def restore_objects(
     checkpoints = Checkpoints(directory, max_to_keep=None)
     try:
         step = checkpoints.latest() if step is None else step
-        arrays = checkpoints.restore(state_arrays(objects), step)
-        extras = checkpoints.extras(step) if with_extras else {}
+        try:
+            arrays = checkpoints.restore(state_arrays(objects), step)
+            extras = checkpoints.extras(step) if with_extras else {}
+        except Exception as error:  # a truncated or corrupt file: Orbax's, JSON's, OCDBT's
+            if str(error).startswith("Expected"):
+                raise  # our own message, already clear
+            raise CorruptCheckpointError(
+                f"Expected checkpoint {step} in {checkpoints.directory} to be readable; found "
+                f"it damaged ({type(error).__name__}: {str(error)[:200]}). Nothing was "
+                "restored. Fix: restore an earlier step (restore_checkpoint(directory, ..., "
+                "step=N)), or delete this step's directory to fall back to the previous one."
+            ) from error
     finally:
         checkpoints.close()
     load_state_arrays(objects, arrays, checkpoints.directory)

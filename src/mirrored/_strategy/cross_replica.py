@@ -157,7 +157,8 @@ def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
         if not isinstance(axis, int) or not -rank <= axis < rank:
             raise ValueError(
                 f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
-                f"shape {values.shape[1:]}; found {axis!r}."
+                f"shape {values.shape[1:]}; found {axis!r}. Fix: axis=0 concatenates the "
+                "replicas' batches."
             )
         mask = _mask_of(v)
         if axis % rank == 0:

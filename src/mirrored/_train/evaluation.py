@@ -113,16 +113,16 @@ class Evaluation:
         Keras' test hooks (`on_test_begin`, `on_test_batch_end`, ...). `verbose=1` shows a
         progress bar on a terminal (one line elsewhere), as `fit` does; the default is quiet.
         """
-        callbacks = _arguments.as_callbacks(callbacks)
-        verbose = _arguments.check_verbose(verbose)
-        _arguments.check_labels_given(x, y, "evaluate")
-        if _is_arrays(x):
-            _arguments.check_model_input(self.model, x, None, "evaluate")
         if y is None and sample_weight is not None:
             raise ValueError(
                 "Expected labels y together with sample_weight; found y=None. Fix: "
                 "evaluate(x, y, sample_weight=w), or a dataset of (x, y, w) batches."
             )
+        callbacks = _arguments.as_callbacks(callbacks)
+        verbose = _arguments.check_verbose(verbose)
+        _arguments.check_labels_given(x, y, "evaluate")
+        if _is_arrays(x):
+            _arguments.check_model_input(self.model, x, None, "evaluate")
         weighted = sample_weight is not None
         data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
         dataset = self._eval_dataset(data, batch_size)

@@ -124,7 +124,10 @@ class FitLoop:
                 "validation_split=0.1 holds out the last 10% of the arrays."
             )
         if validation_split and validation_data is not None:
-            raise ValueError("Pass validation_data or validation_split, not both.")
+            raise ValueError(
+                "Expected validation_data or validation_split, not both; found both. Fix: "
+                "keep validation_data (held-out arrays) or validation_split (a fraction of x)."
+            )
         if validation_split:
             if not (_is_arrays(x) and _is_arrays(y)):
                 raise ValueError(

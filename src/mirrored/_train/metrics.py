@@ -42,6 +42,23 @@ def _squeeze_or_expand(values: Any, weights: Any) -> tuple[Any, Any]:
     return values, weights
 
 
+def check_rows(metric: str, **arrays: Any) -> None:
+    """The arrays given to `metric.update_state` have one batch (leading) size; a scalar
+    `sample_weight` weighs every row. Else broadcasting would fail naming neither argument."""
+    sizes = {
+        name: tuple(np.shape(value))
+        for name, value in arrays.items()
+        if value is not None and np.ndim(value) > 0
+    }
+    if len({shape[0] for shape in sizes.values()}) > 1:
+        found = ", ".join(f"{name} of shape {shape}" for name, shape in sizes.items())
+        raise ValueError(
+            f"Expected {metric}.update_state's arguments to have one batch size (their first "
+            f"axis); found {found}. Fix: pass the same examples' labels, predictions and "
+            "weights (one row each per example)."
+        )
+
+
 class Metric(nnx.Module):
     """Base of the metrics: Keras' `update_state`, `result`, `reset_state` and `name`."""
 
@@ -131,6 +148,7 @@ class Mean(Metric):
         self.count = self.add_variable()
 
     def update_state(self, values: Any, sample_weight: Any = None) -> None:
+        check_rows(type(self).__name__, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values, self.dtype)
         if values.ndim == 0 and sample_weight is None:  # one value: counts once
             warn_if_a_loss_share(f"{type(self).__name__}({self.name!r})", values)
@@ -176,6 +194,7 @@ class MeanMetricWrapper(Mean):
         return jnp.asarray(self._fn(y_true, y_pred, **self._fn_kwargs))
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        check_rows(type(self).__name__, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
         super().update_state(self.values(y_true, y_pred), sample_weight)
 
 
@@ -319,6 +338,7 @@ class _Confusion(Metric):
         return jax.nn.sigmoid(y_pred) if self.from_logits else y_pred
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        check_rows(type(self).__name__, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
         y_pred = self._predictions(y_pred)
         y_true = jnp.broadcast_to(_labels_like(y_true, y_pred), y_pred.shape)
         weight = self.weights(y_pred, sample_weight).reshape(-1)

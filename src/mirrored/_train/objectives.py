@@ -180,7 +180,9 @@ def get_loss(spec: str | Loss | Callable[[Any, Any], Any], *, from_logits: bool 
     if callable(spec):
         return spec
     raise TypeError(
-        f"Expected loss to be a name, a mirrored.losses.Loss or a callable; found {spec!r}."
+        f"Expected loss to be a name, a mirrored.losses.Loss or a callable; found {spec!r}. "
+        "Fix: e.g. loss='sparse_categorical_crossentropy', or a function (y_true, y_pred) -> "
+        "one value per example."
     )
 
 

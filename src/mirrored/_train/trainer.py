@@ -426,7 +426,8 @@ def _build_optimizer(
     """The optimizer the Trainer steps: clipping, accumulation and loss scaling as asked."""
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(
-            f"Expected gradient_accumulation_steps to be a positive int; found {accumulation!r}."
+            f"Expected gradient_accumulation_steps to be a positive int; found {accumulation!r}. "
+            "Fix: e.g. gradient_accumulation_steps=4 (one update per 4 batches), or 1."
         )
     if isinstance(optimizer, nnx.Optimizer) and policy.needs_loss_scaling:
         raise ValueError(

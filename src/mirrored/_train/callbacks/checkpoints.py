@@ -116,7 +116,7 @@ class BackupAndRestore(Callback):
         ):
             raise ValueError(
                 f"Expected save_freq to be 'epoch', a positive number of steps or False; found "
-                f"{save_freq!r}."
+                f"{save_freq!r}. Fix: save_freq='epoch' (the default) or e.g. save_freq=100."
             )
         self.backup_dir = os.fspath(backup_dir)
         if not self.backup_dir or os.path.isfile(self.backup_dir):
