@@ -558,3 +558,33 @@ def test_what_keras_accepts_is_accepted(env):
     history = trainer.fit(X, Y, epochs=1, verbose=0, callbacks=mirrored.callbacks.History())
     assert len(history.history["loss"]) == 1
     assert len(CASES) + len(CLI) >= 80
+
+
+def _fitted(env, optimizer, **fit_kwargs):
+    with env["strategy"].scope():
+        trainer = mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(1)),
+            optimizer,
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+        )
+    trainer.fit(X, Y, batch_size=16, verbose=0, shuffle=False, **fit_kwargs)
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))]
+
+
+def test_a_keras_optimizer_name_and_class_weight_mean_what_they_mean_in_keras(env):
+    """ "adam" is Adam with Keras' defaults (learning rate 1e-3, epsilon 1e-7); class_weight
+    weighs each example by its class, 1.0 for classes it leaves out (Keras'
+    class_weight_to_sample_weights)."""
+    named = _fitted(env, "adam")
+    explicit = _fitted(env, optax.adam(1e-3, b1=0.9, b2=0.999, eps=1e-7))
+    assert all(np.array_equal(a, b) for a, b in zip(named, explicit, strict=True))
+    weights = {0: 2.0, 3: 0.25}
+    by_class = _fitted(env, optax.sgd(0.1), class_weight=weights)
+    per_example = np.asarray([weights.get(int(label), 1.0) for label in Y], np.float32)
+    by_example = _fitted(env, optax.sgd(0.1), sample_weight=per_example)
+    assert all(np.array_equal(a, b) for a, b in zip(by_class, by_example, strict=True))
+    one_hot = np.eye(5, dtype=np.float32)[Y]
+    assert np.array_equal(
+        mirrored._train.arguments.class_sample_weights(one_hot, weights, None), per_example
+    )
