@@ -35,6 +35,21 @@ def saved(tmp_path_factory):
     return directory
 
 
+def _killed_save(saved, tmp_path, hook, *mode):
+    """A copy of `saved`, then _resave_kill.py's save of 2.0 into it, SIGKILLed at `hook`."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved, directory)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(directory), "2.0", hook, *mode],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stdout, run.stderr[-2000:])
+    return directory
+
+
 # Where the kill lands, and which copy of step 1 must be found after it.
 HOOKS = {"aside": 1.0, "half": 1.0, "before_rename": 1.0, "renamed": 2.0}
 
@@ -43,16 +58,7 @@ HOOKS = {"aside": 1.0, "half": 1.0, "before_rename": 1.0, "renamed": 2.0}
 def test_a_resave_killed_midway_finds_a_complete_copy_and_cleans_up(saved, tmp_path, hook):
     """Before: a kill after the old copy was moved aside left only `1.mirrored-replaced` (and
     Orbax's temporary directory): latest_checkpoint None, restore 'found none'."""
-    directory = tmp_path / "ckpt"
-    shutil.copytree(saved, directory)
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(directory), "2.0", hook],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stdout, run.stderr[-2000:])
+    directory = _killed_save(saved, tmp_path, hook)
     expected = HOOKS[hook]
 
     assert mirrored.latest_checkpoint(directory) == str(directory / "1")
@@ -75,16 +81,7 @@ def test_a_new_save_killed_midway_restores_the_previous_or_the_new_step(saved, t
     """Step 1 (1.0) on disk, step 2 (2.0) saved with max_to_keep=1 and killed at `hook`: the
     restore finds step 1 or step 2 whole, with its own extras, never a mix; the next save
     removes the leftovers."""
-    directory = tmp_path / "ckpt"
-    shutil.copytree(saved, directory)
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(directory), "2.0", hook, "new"],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stdout, run.stderr[-2000:])
+    directory = _killed_save(saved, tmp_path, hook, "new")
     step = NEW_STEP_HOOKS[hook]
 
     assert mirrored.latest_checkpoint(directory) == str(directory / str(step))

@@ -69,14 +69,11 @@ def _max_diff(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
-@pytest.mark.parametrize(
-    ("replicas", "make_tx"),
-    [(8, lambda: optax.sgd(0.1)), (1, lambda: optax.adam(0.01))],  # 8 and 1, SGD and Adam
-    ids=["sgd-8", "adam-1"],
-)
-def test_eager_steps_equal_compiled_steps_ragged_last_batch_included(replicas, make_tx):
-    # Op by op is slow: at 8 replicas a full batch, then the ragged one; at 1, the ragged one.
-    batches = BATCHES[1:] if replicas > 1 else BATCHES[2:]
+def test_eager_steps_equal_compiled_steps_ragged_last_batch_included():
+    # Op by op is slow (8-45 s a case on 2 busy cores): one case, 8 replicas and Adam, a full
+    # batch then the ragged one. (A 1-replica SGD case was measured equal too.)
+    replicas, make_tx = 8, lambda: optax.adam(0.01)
+    batches = BATCHES[1:]
     compiled, compiled_losses, _ = _train(replicas, make_tx, batches)
     mirrored.config.run_functions_eagerly(True)
     try:

@@ -187,15 +187,21 @@ def check_model_input(model: Any, x: Any, rngs: Any, call: str) -> None:
         x,
         is_leaf=is_per_replica,
     )
-    graphdef, state = nnx.split(model)
+    with_rngs = rngs is not None and call == "fit"
+    graphdef, state = nnx.split((model, rngs) if with_rngs else model)
 
     def apply(state: Any, x: Any) -> Any:
-        module = nnx.merge(graphdef, state)
-        return module(x) if rngs is None or call != "fit" else module(x, rngs=rngs)
+        merged: Any = nnx.merge(graphdef, state)  # a copy: modes set here stay here
+        if with_rngs:
+            module, module_rngs = merged
+            return module(x, rngs=module_rngs)
+        if call != "fit":
+            merged.eval()  # evaluate and predict call the model in eval mode
+        return merged(x)
 
     try:
         jax.eval_shape(apply, state, example)
-    except Exception as error:
+    except (TypeError, ValueError, IndexError) as error:  # shapes and dtypes that do not fit
         raise ValueError(
             f"Expected {call}'s x to fit the model {type(model).__name__}; found examples of "
             f"{_describe(example)}, on which the model fails: {type(error).__name__}: "
@@ -203,3 +209,5 @@ def check_model_input(model: Any, x: Any, rngs: Any, call: str) -> None:
             "Fix: give x the per-example shape the model was built for (e.g. nnx.Linear's "
             "in_features), or build the model for x's shape. Nothing was trained or changed."
         ) from error
+    except Exception:  # anything else (a model that cannot be traced this way): the step says
+        return

@@ -407,7 +407,9 @@ def _named_optimizer(optimizer: Any) -> Any:
                 "optax.adam(1e-3)."
             )
         return _OPTIMIZERS[key]()
-    if isinstance(optimizer, nnx.Optimizer | LossScaleOptimizer | optax.GradientTransformation):
+    if isinstance(optimizer, nnx.Optimizer | LossScaleOptimizer) or (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):  # an Optax transformation, or one like optax.MultiSteps
         return optimizer
     raise TypeError(
         "Expected optimizer to be an Optax transformation (optax.adam(1e-3)), an "
