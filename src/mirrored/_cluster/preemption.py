@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from mirrored._persist import checkpoint as _checkpoint
+from mirrored._run.errors import coordination_client
 
 logger = logging.getLogger("mirrored")
 
@@ -209,12 +210,12 @@ class GraceCountdown:
                 if jax.process_count() == 1:
                     self._agreed = step
                 elif jax.process_index() == 0 and not self._told:
-                    _client().key_value_set(_GRACE_NOTICE, "1")
+                    coordination_client().key_value_set(_GRACE_NOTICE, "1")
                     self._told = True
             return self._agreed is not None and step >= self._agreed
 
     def _agree(self) -> None:
-        client = _client()
+        client = coordination_client()
         rank, count = jax.process_index(), jax.process_count()
         while True:
             try:
@@ -237,12 +238,6 @@ class GraceCountdown:
                 f"final preemption checkpoint within {AGREE_TIMEOUT_S:g} s; found "
                 f"{len(steps)}. Fix: call handler.run at every step on every process."
             )
-
-
-def _client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 class PreemptionCheckpointHandler:

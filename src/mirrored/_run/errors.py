@@ -147,7 +147,9 @@ def _exit_at_the_end(code: int = PEER_FAILURE_EXIT_CODE) -> None:
         _EXIT.append(code)
 
 
-def _client() -> Any:
+def coordination_client() -> Any:
+    """The client of jax.distributed's coordination service (its key-value store), or None
+    in a process that did not start jax.distributed."""
     from jax._src import distributed
 
     return distributed.global_state.client
@@ -177,7 +179,7 @@ def listen_for_liveness_probes(coordinator_host: str) -> None:
     A survivor of a collective failure probes every peer's port to name the dead ones at once:
     JAX's coordination service only notices after its heartbeat timeout, and asking it then
     blocks until every live process asks too."""
-    client = _client()
+    client = coordination_client()
     if client is None or _PROBE_SOCKET:
         return
     try:
@@ -220,7 +222,7 @@ def _publish_failure(error: BaseException) -> None:
     """Tell every other process why this one fails (the first failure in the job wins), and
     wait up to ACK_WAIT_S for them to read it: when this process hosts the coordination
     service, its exit takes the message with it."""
-    client = _client()
+    client = coordination_client()
     if client is None:
         return
     rank = jax.process_index()
@@ -243,7 +245,7 @@ def _publish_failure(error: BaseException) -> None:
 def _watch_for_peer_failures(stop: threading.Event) -> None:
     """Background thread: when a peer publishes its failure, say so at once and keep it for the
     PeerFailureError that this process' next collective raises."""
-    client = _client()
+    client = coordination_client()
     rank = jax.process_index()
     while not stop.wait(WATCH_INTERVAL_S):
         _read_peer_addresses(client)
