@@ -25,15 +25,7 @@ class CallbackList:
         add_progbar: bool = False,
         verbose: int = 1,
     ) -> None:
-        self.callbacks = list(callbacks)
-        for callback in self.callbacks:
-            if not isinstance(callback, Callback):
-                raise TypeError(
-                    f"Expected mirrored.callbacks.Callback instances; found "
-                    f"{type(callback).__module__}.{type(callback).__name__}. Fix: use "
-                    "mirrored.callbacks.<Name> (Keras' names), subclass "
-                    "mirrored.callbacks.Callback, or wrap functions in LambdaCallback."
-                )
+        self.callbacks = list(callbacks)  # checked by fit/evaluate/predict (as_callbacks)
         self.history = next((c for c in self.callbacks if isinstance(c, History)), None)
         if self.history is None and add_history:
             self.history = History()
