@@ -108,6 +108,25 @@ def _fit(**kwargs):
     return call
 
 
+def _checked_fit(**kwargs):
+    """fit under check_numerics (switched off again afterwards)."""
+
+    def call(env):
+        mirrored.debug.enable_check_numerics()
+        try:
+            return _fit(**kwargs)(env)
+        finally:
+            mirrored.debug.disable_check_numerics()
+
+    return call
+
+
+def _with(array, row, value):
+    changed = np.array(array, np.float32)
+    changed[row] = value
+    return changed
+
+
 def _path(env, name):
     return str(env["tmp"] / name)
 
@@ -194,6 +213,25 @@ CASES = [
         ),
         IsADirectoryError,
         ["CSVLogger", "directory"],
+    ),
+    # -- fit: non-finite input (check_numerics, TerminateOnNaN) ---------------------------------
+    (
+        "fit-nan-input-checked",
+        _checked_fit(x=_with(X, 3, np.nan), batch_size=8, shuffle=False),
+        mirrored.debug.NonFiniteError,
+        ["epoch 1, batch 0", "first in the input x", "replica(s) [3]", "not applied"],
+    ),
+    (
+        "fit-inf-sample-weight-checked",
+        _checked_fit(sample_weight=_with(np.ones(40), 0, np.inf), batch_size=8, shuffle=False),
+        mirrored.debug.NonFiniteError,
+        ["batch 0", "first in the input sample_weight"],
+    ),
+    (
+        "fit-nan-input-terminate-on-nan-raises",
+        _fit(x=_with(X, 0, np.nan), callbacks=[mirrored.callbacks.TerminateOnNaN(True)]),
+        RuntimeError,
+        ["batch 0 of epoch 1", "was not applied", "input x"],
     ),
     # -- evaluate / predict --------------------------------------------------------------------
     ("evaluate-y-none", lambda env: env["trainer"].evaluate(X), V, ["labels y", "evaluate"]),
@@ -588,3 +626,39 @@ def test_a_keras_optimizer_name_and_class_weight_mean_what_they_mean_in_keras(en
     assert np.array_equal(
         mirrored._train.arguments.class_sample_weights(one_hot, weights, None), per_example
     )
+
+
+@pytest.mark.parametrize("per_execution", [1, 3])
+def test_check_numerics_in_fit_names_the_epoch_and_batch_and_keeps_the_batches_before(
+    env, per_execution
+):
+    """Infinity in the last batch of the data, which with steps_per_epoch=3 of 5 batches is
+    batch 1 of epoch 2: the error says so (found a few steps late, the steps after it changed
+    nothing), and the model is the one the four batches before it trained."""
+
+    def trainer():
+        with env["strategy"].scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(2)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=per_execution,
+            )
+
+    bad, checked = _with(X, 37, np.inf), trainer()
+    mirrored.debug.enable_check_numerics()
+    try:
+        with pytest.raises(mirrored.debug.NonFiniteError) as raised:
+            checked.fit(bad, Y, batch_size=8, epochs=3, steps_per_epoch=3, shuffle=False, verbose=0)
+    finally:
+        mirrored.debug.disable_check_numerics()
+    error = raised.value
+    assert (error.epoch, error.batch, error.inputs) == (1, 1, ["x"]), str(error)
+    assert "epoch 2, batch 1" in str(error) and "replica(s) [5]" in str(error)
+    reference = trainer()
+    reference.fit(X[:32], Y[:32], batch_size=8, shuffle=False, verbose=0)
+    got = jax.tree.leaves(nnx.state(checked.model, nnx.Param))
+    want = jax.tree.leaves(nnx.state(reference.model, nnx.Param))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

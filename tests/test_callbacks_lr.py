@@ -277,10 +277,15 @@ def test_keras_older_batch_hook_names_are_called(devices):
     assert old.batches == 4
 
 
-def test_terminate_on_nan_stops_after_the_bad_batch(devices, capsys):
+@pytest.mark.parametrize(("replicas", "per_execution"), [(1, 1), (8, 4)])
+def test_terminate_on_nan_stops_before_the_bad_update(devices, capsys, replicas, per_execution):
+    """Batch 1 of 4 holds NaN: training stops there with the model trained on batch 0 only
+    (Keras applies the NaN update first: a documented difference), whatever the replica count
+    and however many steps one execution runs."""
     x, y = data(32)
     x[8:16] = np.nan  # batch 1 of 4 at batch_size 8
-    _, _, trainer = make(devices, injected_sgd())
+    _, model, trainer = make(devices[:replicas], injected_sgd(), steps_per_execution=per_execution)
+    kernel, bias = np.asarray(model.kernel[...]), np.asarray(model.bias[...])
     seen = []
     batches = LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
     history = trainer.fit(
@@ -292,12 +297,40 @@ def test_terminate_on_nan_stops_after_the_bad_batch(devices, capsys):
         callbacks=[TerminateOnNaN(), batches],
         verbose=0,
     )
-    assert seen == [0, 1] and history.epoch == [0]
+    assert seen == ([0, 1] if per_execution == 1 else [3]) and history.epoch == [0]
     assert math.isnan(history.history["loss"][0])
     assert "Batch 1: Invalid loss, terminating training" in capsys.readouterr().out
-    _, _, trainer = make(devices, injected_sgd())
-    with pytest.raises(RuntimeError, match="Expected a finite loss; found nan after batch 1"):
+    want = numpy_sgd(kernel, bias, x[:8], y[:8], [0.1])
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.bias[...]), want[1], rtol=1e-5, atol=1e-6)
+    # Training again goes on from there: nothing of the failed step is left behind.
+    history = trainer.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_terminate_on_nan_raises_and_stops_at_a_non_finite_gradient(devices, capsys):
+    """A finite loss with a NaN gradient (sqrt at 0) stops training too, the update not
+    applied; raise_error=True says what and where, and changes nothing either."""
+    x, y = data(32)
+    y[8:16] = 0.0  # batch 1: sqrt(0) has a finite value and an infinite slope
+
+    def loss(y_true, y_pred):
+        return jnp.mean(jnp.sqrt(y_pred - y_pred + jnp.abs(y_true)), axis=-1)
+
+    _, model, trainer = make(devices, injected_sgd(), loss)
+    kernel = np.asarray(model.kernel[...])  # batch 0's gradients are 0: nothing moves
+    history = trainer.fit(
+        x, y, batch_size=8, shuffle=False, callbacks=[TerminateOnNaN()], verbose=0
+    )
+    assert "Batch 1: Invalid gradients (bias), terminating training" in capsys.readouterr().out
+    assert np.isfinite(history.history["loss"][0])
+    assert np.array_equal(np.asarray(model.kernel[...]), kernel)
+    with pytest.raises(RuntimeError) as raised:
         trainer.fit(x, y, batch_size=8, shuffle=False, callbacks=[TerminateOnNaN(True)], verbose=0)
+    message = str(raised.value)
+    assert "non-finite values in the gradients (bias) at batch 1 of epoch 1" in message, message
+    assert "was not applied" in message and "Fix:" in message
+    assert np.array_equal(np.asarray(model.kernel[...]), kernel)
 
 
 def test_keys_a_callback_adds_reach_the_history(devices):

@@ -14,8 +14,8 @@ or `experimental_local_results`, when a loop over a distributed dataset ends, at
 Example:
     >>> mirrored.debug.enable_check_numerics()
     >>> strategy.run(train_step, args=(model, optimizer, x, y))
-    NonFiniteError: non-finite values at step 3 of 'train_step' ... first in the gradients
-    of hidden.kernel ...
+    NonFiniteError: Expected finite values; found NaN or infinity at step 3 of 'train_step'
+    ... first in the gradients of hidden.kernel ...
     >>> mirrored.debug.disable_check_numerics()
 
 For eager debugging (`print`, `breakpoint()` inside the step) see

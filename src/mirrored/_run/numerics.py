@@ -5,10 +5,11 @@ value. `mirrored.debug` is its public face."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -30,6 +31,9 @@ class CheckedProgram(Protocol):
 
     @property
     def check_layout(self) -> tuple[tuple[str, str], ...]: ...
+
+    @property
+    def check_inputs(self) -> tuple[str, ...]: ...
 
 
 _enabled = False
@@ -54,6 +58,19 @@ def check_numerics_enabled() -> bool:
     return _enabled
 
 
+@contextlib.contextmanager
+def checking(enabled: bool = True) -> Iterator[None]:
+    """Steps dispatched inside are checked (`fit` with `TerminateOnNaN`: the step that would
+    make a parameter non-finite changes nothing), or not (`enabled=False`: `fit`'s look at
+    the first batch's predictions); the switch is as it was afterwards."""
+    global _enabled
+    before, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
 class NonFiniteError(FloatingPointError):
     """A step produced NaN or infinity; its update was not applied.
 
@@ -67,6 +84,9 @@ class NonFiniteError(FloatingPointError):
             its new value (`"model.hidden.kernel"`).
         paths: every offending leaf, by stage.
         batch_replicas: replicas whose batch itself held non-finite values.
+        inputs: the batch's leaves that held them (`x`, `x.image`, `sample_weight`).
+        epoch, batch: in `Trainer.fit`, the epoch and the batch of it (Keras' numbers:
+            from 0), else None.
     """
 
     def __init__(
@@ -80,8 +100,14 @@ class NonFiniteError(FloatingPointError):
         parameter: str,
         paths: dict[str, list[str]],
         batch_replicas: list[int],
+        inputs: list[str] | None = None,
+        epoch: int | None = None,
+        batch: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.inputs = inputs or []
+        self.epoch = epoch
+        self.batch = batch
         self.step = step
         self.replicas = replicas
         self.stage = stage
@@ -89,6 +115,23 @@ class NonFiniteError(FloatingPointError):
         self.parameter = parameter
         self.paths = paths
         self.batch_replicas = batch_replicas
+
+    def in_fit(self, epoch: int, batch: int) -> NonFiniteError:
+        """This error in `fit`'s terms: which epoch and batch of it."""
+        return NonFiniteError(
+            f"In fit, at epoch {epoch + 1}, batch {batch} (counting batches from 0, as Keras' "
+            f"callbacks do): {self}",
+            step=self.step,
+            replicas=self.replicas,
+            stage=self.stage,
+            path=self.path,
+            parameter=self.parameter,
+            paths=self.paths,
+            batch_replicas=self.batch_replicas,
+            inputs=self.inputs,
+            epoch=epoch,
+            batch=batch,
+        )
 
 
 _RUNNERS: weakref.WeakSet[Any] = weakref.WeakSet()  # every runner: for check_numerics
@@ -132,32 +175,47 @@ def _leaf_name(path: Any) -> str:
     return ".".join(parts)
 
 
+def _parameters(fn: Any) -> list[str]:
+    """The names of `fn`'s positional parameters (a `*batch` names its own: `batch[0]`, ...)."""
+    try:
+        found = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in found if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _argument_name(path: Any, params: list[str]) -> str:
+    """The readable name of the leaf at `path` of `((args...), kwargs)`: the step's parameter
+    name, then the path inside it."""
+    if path[0].idx == 0 and isinstance(path[1], jax.tree_util.SequenceKey):
+        index = path[1].idx
+        head = params[index] if index < len(params) else f"args[{index}]"
+        return ".".join(filter(None, [head, _leaf_name(path[2:])]))
+    return _leaf_name(path[1:])
+
+
 def _state_names(
     fn: Any, args: Sequence[Any], kwargs: dict[str, Any], unique: list[Any]
 ) -> list[str]:
     """A readable name for each of the step's variables: the step's parameter name, then
     the path inside it (`model.hidden.kernel`, `optimizer.opt_state.0.mu.hidden.kernel`)."""
-    try:
-        params = [
-            p.name
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        params = []
+    params = _parameters(fn)
     position = {id(v): i for i, v in enumerate(unique)}
     names = [type(v).__name__ for v in unique]
     found = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_leaf)[0]
     for path, leaf in reversed(found):  # the first path reaching a variable names it
-        if id(leaf) not in position:
-            continue
-        if path[0].idx == 0 and isinstance(path[1], jax.tree_util.SequenceKey):
-            index = path[1].idx
-            head = params[index] if index < len(params) else f"args[{index}]"
-            names[position[id(leaf)]] = ".".join(filter(None, [head, _leaf_name(path[2:])]))
-        else:
-            names[position[id(leaf)]] = _leaf_name(path[1:])
+        if id(leaf) in position:
+            names[position[id(leaf)]] = _argument_name(path, params)
     return names
+
+
+def _input_names(
+    fn: Any, args: Sequence[Any], kwargs: dict[str, Any], split: Sequence[bool]
+) -> list[str]:
+    """The names of the step's split (batch) inputs, `split` marking them among the leaves."""
+    params = _parameters(fn)
+    found = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_leaf)[0]
+    return [_argument_name(path, params) for (path, _), s in zip(found, split, strict=True) if s]
 
 
 def _finite(x: Any) -> Any:
@@ -171,11 +229,18 @@ def _floating(x: Any) -> bool:
 
 
 def _finite_flags(
-    batch: list[Any], out: Any, gradients: list[Any], new_state: list[Any], names: list[str]
-) -> tuple[tuple[Any, Any], tuple[int, list[tuple[str, str]]]]:
+    batch: list[Any],
+    out: Any,
+    gradients: list[Any],
+    new_state: list[Any],
+    names: list[str],
+    batch_names: list[str],
+) -> tuple[tuple[Any, Any], tuple[tuple[str, ...], list[tuple[str, str]]]]:
     """This replica's finite flags: of its batch (reported, never an error by itself), then
-    of the step's outputs, the gradients it applied and its new state; and their layout."""
-    batch_flags = [_finite(x) for x in batch if _floating(x)]
+    of the step's outputs, the gradients it applied and its new state; and their layout:
+    the names of the batch leaves flagged, and each value's (stage, name)."""
+    floating = [(x, name) for x, name in zip(batch, batch_names, strict=True) if _floating(x)]
+    batch_flags = [_finite(x) for x, _ in floating]
     layout: list[tuple[str, str]] = []
     flags = []
     for path, x in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -197,7 +262,7 @@ def _finite_flags(
             return jax.lax.pcast(jnp.zeros((0,), bool), REPLICA_AXIS, to="varying")
         return jnp.stack(values)
 
-    return (stack(batch_flags), stack(flags)), (len(batch_flags), layout)
+    return (stack(batch_flags), stack(flags)), (tuple(name for _, name in floating), layout)
 
 
 def _unless_non_finite(
@@ -239,6 +304,7 @@ def _non_finite_error(
     parameter = (paths.get("gradients") or paths.get("state") or [""])[0]
     parameter_stage = "gradients" if paths.get("gradients") else "state"
     batch_replicas = [int(r) for r in np.nonzero(bad_batch.any(axis=1))[0]]
+    inputs = [name for j, name in enumerate(program.check_inputs) if bad_batch[:, j].any()]
     more = len(paths[stage]) - 1
     where_text = {
         "outputs": "the step's output" + ("" if path == "the output" else f" {path}"),
@@ -246,12 +312,14 @@ def _non_finite_error(
         "state": f"the updated state, {path}",
     }[stage]
     message = (
-        f"Non-finite values (NaN or infinity) at step {step} of {program.name!r} (counting from "
-        f"0): first in {where_text}"
+        f"Expected finite values; found NaN or infinity at step {step} of {program.name!r} "
+        f"(counting from 0): first in {where_text}"
         + (f" (and {more} more)" if more and stage != "outputs" else "")
         + f", on replica(s) {replicas} of {bad.shape[0]}"
         + (
-            f"; the batch on replica(s) {batch_replicas} already held non-finite values"
+            f"; the batch on replica(s) {batch_replicas} already held non-finite values, "
+            f"first in the input {inputs[0]}"
+            + (f" (then {', '.join(inputs[1:])})" if len(inputs) > 1 else "")
             if batch_replicas
             else ""
         )
@@ -287,4 +355,5 @@ def _non_finite_error(
         parameter=parameter,
         paths=paths,
         batch_replicas=batch_replicas,
+        inputs=inputs,
     )

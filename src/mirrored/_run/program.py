@@ -47,7 +47,7 @@ class Program:
     # check_numerics: the last output is each replica's finite flags, of its batch leaves
     # first (`check_inputs` of them), then of the checked values (`check_layout`'s stages).
     checked: bool = False
-    check_inputs: int = 0
+    check_inputs: tuple[str, ...] = ()  # the names of the batch leaves flagged
     check_layout: tuple[tuple[str, str], ...] = ()
     name: str = ""
     fn_key: Any = None  # counts the steps of one step function
@@ -117,6 +117,11 @@ def compile_step(
     quiet = eager and _fn_key(fn) in target.eager_traced
     checking = numerics.check_numerics_enabled()
     state_names = numerics._state_names(fn, args, kwargs, unique) if checking else []
+    batch_names = (
+        numerics._input_names(fn, args, kwargs, [k in (_SPLIT, _STACKED) for k in kinds])
+        if checking
+        else []
+    )
 
     def one_step(
         state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
@@ -193,7 +198,10 @@ def compile_step(
                 logger.warning(note)
         flags = None
         if checking:
-            flags, layout = numerics._finite_flags(split, out, gradients, new_state, state_names)
+            names = [*batch_names, *["the batch's mask"] * (len(split) - len(batch_names))]
+            flags, layout = numerics._finite_flags(
+                split, out, gradients, new_state, state_names, names
+            )
             recorded["check"] = layout
         return new_state, out, flags
 

@@ -93,6 +93,7 @@ class Runner:
         self.eager_traced: set[Any] = set()  # step functions run eagerly at least once
         self.notes: dict[Any, str] = {}  # warnings of step functions' first traces
         self._steps_run: dict[Any, int] = {}  # steps run, per step function
+        self.last_first_step = 0  # the number of the last call's first step (of its function)
         # check_numerics: a mirrored flag, set by the first non-finite step, after which the
         # checked programs change nothing; and the flags not yet looked at (checked with the
         # dispatch bound's lag, so the devices never wait for the host).
@@ -387,8 +388,8 @@ class Runner:
             found = np.asarray(flags)  # waits for this step unless the dispatch bound did
             if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, _)
                 found = found[:, None, :]
-            inputs = found[:, :, : program.check_inputs]
-            values = found[:, :, program.check_inputs :]
+            inputs = found[:, :, : len(program.check_inputs)]
+            values = found[:, :, len(program.check_inputs) :]
             good = values.all(axis=(0, 2))
             if good.all():
                 continue
@@ -406,4 +407,5 @@ class Runner:
         """Count a call's steps of its step function; returns the number of its first."""
         first = self._steps_run.get(program.fn_key, 0)
         self._steps_run[program.fn_key] = first + program.steps
+        self.last_first_step = first
         return first

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -16,6 +19,7 @@ from mirrored._core.values import PerReplica, to_host
 from mirrored._data import batching as _batching
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._proof import profile as _profile
+from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
@@ -33,6 +37,20 @@ from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
+
+
+def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`fit`, its NonFiniteError saying the epoch and batch of the step it names."""
+
+    @functools.wraps(method)
+    def wrapped(self: FitLoop, *args: Any, **kwargs: Any) -> Any:
+        self._dispatched.clear()
+        try:
+            return method(self, *args, **kwargs)
+        except _numerics.NonFiniteError as error:
+            raise self._in_fit_terms(error) from None
+
+    return wrapped
 
 
 class FitLoop:
@@ -61,8 +79,15 @@ class FitLoop:
     _eval_dataset: Callable[..., DistributedDataset]
     _run_eval: Callable[..., Any]
     _host_rows: Callable[..., Any]
+    # A checked step's non-finite values, found right after it (a callback that
+    # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
+    _non_finite: _numerics.NonFiniteError | None
+    # Each dispatch's first step number (of the step function), epoch, first batch and
+    # size: a NonFiniteError, found a few steps late, says the epoch and batch it was.
+    _dispatched: collections.deque[tuple[int, int, int, int]]
 
     @_eager_when_asked
+    @_numerics_in_fit_terms
     def fit(
         self,
         x: Any = None,
@@ -149,7 +174,12 @@ class FitLoop:
             sample_weight = weights[0] if weights else None
         # In-memory arrays that fit on the devices are placed there once; each step gathers
         # its rows on the devices (`data`), from the same index batches as the host path.
-        data = self._resident(x, y, sample_weight, epochs=epochs - initial_epoch)
+        # Checked steps (check_numerics, TerminateOnNaN) read batches from the host, so a
+        # non-finite value is named by the batch leaf that held it.
+        checked = _numerics.check_numerics_enabled() or any(c.checks_numerics for c in callbacks)
+        data = (
+            None if checked else self._resident(x, y, sample_weight, epochs=epochs - initial_epoch)
+        )
         train = self._dataset(
             np.arange(len(jax.tree.leaves(x)[0])) if data is not None else x,
             None if data is not None else y,
@@ -188,6 +218,9 @@ class FitLoop:
         length = source_length(train) if steps_per_epoch is not None else None
         current: tuple[int, Iterator[Any]] | None = None  # the pass being read, its batches
         self.model.train()
+        self._non_finite = None
+        # check_numerics, if on, raises instead (the error it was asked for).
+        checked_steps = checked and not _numerics.check_numerics_enabled()
         for epoch in range(first_epoch, epochs):
             self._epoch = epoch
             if epoch != first_epoch or first_step == 0:
@@ -225,7 +258,7 @@ class FitLoop:
                     if not _is_arrays(x):  # arrays were checked before anything began
                         _arguments.check_model_input(self.model, first[0], self.rngs, "fit")
                     self._check_first_batch(first, y)
-                self._train_on(chunk, data)
+                self._train_checked(chunk, data, epoch, step, checked_steps)
                 step += len(chunk)
                 if per_step:
                     callback_list.on_train_batch_end(
@@ -247,11 +280,40 @@ class FitLoop:
                 logs.update(self._run_eval(dataset, callback_list, prefix="val_"))
                 self.model.train()
             callback_list.on_epoch_end(epoch, logs)
+            self._last_logs = logs
             if self.stop_training:
                 break
         self._interrupted = False
         callback_list.on_train_end(logs)  # Keras: the last epoch's logs
         return history
+
+    def _train_checked(
+        self,
+        chunk: list[tuple[Any, ...]],
+        data: tuple[Any, ...] | None,
+        epoch: int,
+        step: int,
+        checked: bool,
+    ) -> None:
+        """`_train_on`, remembering which batches it dispatched; `checked` (a callback that
+        `checks_numerics`): the steps are checked and looked at right away (one wait per
+        execution, as TerminateOnNaN's per-batch read of the loss in Keras)."""
+        with _numerics.checking() if checked else contextlib.nullcontext():
+            self._train_on(chunk, data)
+        self._dispatched.append((self.strategy._runner.last_first_step, epoch, step, len(chunk)))
+        if not checked:
+            return
+        try:
+            self.strategy._check_pending()
+        except _numerics.NonFiniteError as error:
+            self._non_finite = self._in_fit_terms(error)
+
+    def _in_fit_terms(self, error: _numerics.NonFiniteError) -> _numerics.NonFiniteError:
+        """`error` with the epoch and batch of the step it names, if it is one of fit's."""
+        for first, epoch, batch, size in reversed(self._dispatched):
+            if first <= error.step < first + size and error.epoch is None:
+                return error.in_fit(epoch, batch + error.step - first)
+        return error
 
     def _resident(
         self, x: Any, y: Any, sample_weight: Any, *, epochs: int
@@ -316,8 +378,9 @@ class FitLoop:
             return
         x, y = args[0], args[1]
         self.model.eval()  # no dropout draw, no BatchNorm update
-        try:
-            out = self.strategy.run(self._predict_step, args=(self.model, x))
+        try:  # unchecked: a non-finite batch is the training step's to report
+            with _numerics.checking(False):
+                out = self.strategy.run(self._predict_step, args=(self.model, x))
         finally:
             self.model.train()
         if not isinstance(out, jax.Array | PerReplica):

@@ -80,8 +80,10 @@ def _make_steps(
         rngs: Any,
         x: Any,
         y: Any,
-        w: Any = None,
+        sample_weight: Any = None,
     ) -> Any:
+        w = sample_weight  # named in full for check_numerics' messages
+
         # The call-time random stream goes through the gradient as an argument (not a
         # capture), so the draws it makes inside are written back.
         def loss_of(model: Any, rngs: Any) -> Any:
@@ -112,7 +114,10 @@ def _make_steps(
         update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, per_example, y, y_pred, w)
 
-    def eval_step(model: Any, totals: Any, stateful: Any, x: Any, y: Any, w: Any = None) -> Any:
+    def eval_step(
+        model: Any, totals: Any, stateful: Any, x: Any, y: Any, sample_weight: Any = None
+    ) -> Any:
+        w = sample_weight
         y_pred = _float32(model(x))
         update_stateful(stateful, y, y_pred, w)
         return accumulate(totals, _loss_terms(loss_fn, y, y_pred, w)[1], y, y_pred, w)
@@ -127,9 +132,17 @@ def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]
     """The training step for `run_steps`: what one step adds to the running sums (they are
     summed over the K steps on the devices afterwards, `_add_steps`)."""
 
-    def train_additions(model: Any, optimizer: Any, stateful: Any, rngs: Any, *batch: Any) -> Any:
+    def train_additions(
+        model: Any,
+        optimizer: Any,
+        stateful: Any,
+        rngs: Any,
+        x: Any,
+        y: Any,
+        sample_weight: Any = None,
+    ) -> Any:
         zeros = jnp.zeros((width,), jnp.float32)
-        return train_step(model, optimizer, zeros, stateful, rngs, *batch)
+        return train_step(model, optimizer, zeros, stateful, rngs, x, y, sample_weight)
 
     return train_additions
 
@@ -137,8 +150,8 @@ def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]
 def _eval_additions(eval_step: Callable[..., Any], width: int) -> Callable[..., Any]:
     """The evaluation step for `run_steps`: what one step adds to the running sums."""
 
-    def eval_additions(model: Any, stateful: Any, *batch: Any) -> Any:
-        return eval_step(model, jnp.zeros((width,), jnp.float32), stateful, *batch)
+    def eval_additions(model: Any, stateful: Any, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        return eval_step(model, jnp.zeros((width,), jnp.float32), stateful, x, y, sample_weight)
 
     return eval_additions
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -192,6 +193,8 @@ class Trainer(FitLoop, Evaluation):
         self._epoch = 0
         self._start: tuple[int, int] | None = None
         self._interrupted = False
+        self._non_finite = None
+        self._dispatched = collections.deque(maxlen=4096)
 
     # -- state for checkpoints --------------------------------------------------------------
 

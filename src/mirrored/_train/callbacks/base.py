@@ -31,6 +31,9 @@ class Callback:
 
     trainer: TrainerLike
     params: dict[str, Any]
+    # True: `fit` checks its steps for non-finite values while this callback is given, so the
+    # step that would make a parameter NaN or infinite changes nothing (`TerminateOnNaN`).
+    checks_numerics = False
 
     def set_trainer(self, trainer: TrainerLike, params: dict[str, Any]) -> None:
         self.trainer = trainer

@@ -116,28 +116,43 @@ def _chief_print(message: str) -> None:
 
 
 class TerminateOnNaN(Callback):
-    """Stop training right after a batch whose loss is NaN or infinite (Keras' callback).
+    """Stop training at the first batch whose loss is NaN or infinite (Keras' callback), with
+    the model as it was before that batch.
 
-    After every batch it reads the epoch's running loss (what Keras' batch logs hold too):
-    one NaN or infinite batch loss makes it NaN or infinite from that batch on, so training
-    stops after the first bad batch; `on_epoch_end` and `on_train_end` still run. With
-    `raise_error=True` it raises a RuntimeError instead, and no callback's `on_train_end` runs.
-    Reading the loss waits for each step to finish on the devices: one synchronisation per
-    step, as in Keras.
+    While it is given, `fit` checks each step for non-finite values (its loss, gradients and
+    new parameters) and looks at the check right after each execution: the step that would
+    make a parameter NaN or infinite changes nothing, and training stops there ("Batch 3:
+    Invalid loss, terminating training"); `on_epoch_end` and `on_train_end` still run. Keras
+    applies that step first (its model is NaN afterwards): a deliberate difference
+    (docs/migration.md). A non-finite gradient of a finite loss stops training too. With
+    `raise_error=True` it raises a RuntimeError instead, and no callback's `on_train_end`
+    runs. One wait for the devices per execution, as Keras' per-batch read of the loss.
     """
+
+    checks_numerics = True
 
     def __init__(self, raise_error: bool = False) -> None:
         self.raise_error = raise_error
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
-        loss = (logs or {}).get("loss")
-        if loss is None or math.isfinite(loss):
-            return
+        error = getattr(self.trainer, "_non_finite", None)
+        if error is not None and error.batch is not None:
+            batch = error.batch
+        else:  # steps not checked: the epoch's running loss, as Keras' batch logs
+            loss = (logs or {}).get("loss")
+            if loss is None or math.isfinite(loss):
+                return
+        detail = (
+            "loss" if error is None or error.stage == "outputs" else f"{error.stage} ({error.path})"
+        )
         if self.raise_error:
             raise RuntimeError(
-                f"Expected a finite loss; found {loss} after batch {batch} of epoch "
-                f"{self.trainer._epoch + 1}. Fix: lower the learning rate, clip gradients "
-                "(Trainer(..., global_clipnorm=1.0)), or look for NaN or infinite inputs."
-            )
-        _chief_print(f"Batch {batch}: Invalid loss, terminating training")
+                "Expected a finite loss and gradients; found non-finite values in the "
+                f"{detail} at batch {batch} of epoch {self.trainer._epoch + 1}"
+                + (" (that batch's update was not applied)" if error is not None else "")
+                + ". Fix: lower the learning rate, clip gradients (Trainer(..., "
+                "global_clipnorm=1.0)), or look for NaN or infinite inputs."
+                + (f"\nWhat the check found: {error}" if error is not None else "")
+            ) from error
+        _chief_print(f"Batch {batch}: Invalid {detail}, terminating training")
         self.trainer.stop_training = True
