@@ -533,6 +533,39 @@ CASES = [
         ["'ps'"],
     ),
     (
+        "tf-config-ps-in-cluster",
+        _tf_config(
+            {"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "worker", "index": 0}}
+        ),
+        V,
+        ["['ps']", "parameter servers"],
+    ),
+    (
+        "tf-config-two-chiefs",
+        _tf_config({"cluster": {"chief": ["a:1", "b:2"]}, "task": {"type": "chief", "index": 0}}),
+        V,
+        ["2 entries in cluster.chief"],
+    ),
+    (
+        "tf-config-same-address-twice",
+        _tf_config(
+            {
+                "cluster": {"chief": ["a:1"], "worker": ["b:2", "a:1"]},
+                "task": {"type": "worker", "index": 0},
+            }
+        ),
+        V,
+        ["['a:1']", "own host:port"],
+    ),
+    (
+        "tf-config-index-negative",
+        _tf_config(
+            {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": -1}}
+        ),
+        V,
+        ["index -1"],
+    ),
+    (
         "termination-grace-negative",
         lambda env: mirrored.TerminationConfig(grace_period=-1),
         V,
@@ -571,17 +604,31 @@ CLI = [
         ["launch", "-n", "1", "--max-restarts", "-1", "x.py"],
         "--max-restarts",
     ),
+    ("demo-unknown-loop", ["demo", "--loop", "keras"], "--loop fit"),
+    ("demo-learning-rate-zero", ["demo", "--learning-rate", "0"], "--learning-rate > 0"),
+    ("doctor-step-no-function", ["doctor", "--step", "train.py"], "FILE.py:FUNCTION"),
+    ("doctor-step-missing-file", ["doctor", "--step", "no_such.py:make"], "does not exist"),
+    ("doctor-plot-missing-folder", ["doctor", "--plot", "no/such/plot.png"], "--plot"),
+    ("doctor-profile-a-file", ["doctor", "--profile", "{file}"], "--profile DIR"),
+    ("bench-unknown-model", ["bench", "--models", "resnet"], "'resnet'"),
+    ("bench-no-model", ["bench", "--models", ","], "--models"),
+    ("bench-plot-a-folder", ["bench", "--plot", "{folder}"], "a folder"),
 ]
 
 
 @pytest.mark.parametrize(("argv", "word"), [c[1:] for c in CLI], ids=[c[0] for c in CLI])
-def test_a_bad_command_line_is_one_message_and_exit_code_2(argv, word):
+def test_a_bad_command_line_is_one_message_and_exit_code_2(argv, word, tmp_path):
+    """Refused before any work (no device is set up): one line with the fix, exit code 2."""
     from mirrored.cli import app
 
-    result = RUNNER.invoke(app, argv)
+    (tmp_path / "a_file").write_text("")
+    paths = {"file": str(tmp_path / "a_file"), "folder": str(tmp_path)}
+    result = RUNNER.invoke(app, [arg.format(**paths) for arg in argv])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert word in result.output, result.output
+    if result.output.startswith("error:"):
+        assert result.output.count("\n") == 1 and "Fix" in result.output, result.output
 
 
 def test_what_keras_accepts_is_accepted(env):

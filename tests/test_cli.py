@@ -99,7 +99,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
     assert 0 < seed["strong"]["all_reduce_share_at_peak"][1] < 1
     assert plot.read_bytes()[:4] == b"\x89PNG"
     bad = _run([sys.executable, "-m", "mirrored.cli", "bench", "--models", "resnet"])
-    assert bad.returncode == 2 and "unknown model" in bad.stderr
+    assert bad.returncode == 2 and "found 'resnet'" in bad.stderr
 
 
 @pytest.mark.parametrize(

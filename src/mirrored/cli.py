@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+from typing import NoReturn
 
 import typer
 
@@ -20,6 +22,40 @@ def _has_accelerator_plugin() -> bool:
         importlib.util.find_spec(name) is not None
         for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
     )
+
+
+def _fail(message: str) -> NoReturn:
+    """A usage error: one line on stderr, exit code 2 (never a traceback)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_output_file(path: str | None, option: str) -> None:
+    """`path` can be written: its folder exists and it is not a folder (before any work)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        found = "a folder" if os.path.isdir(path) else f"in {folder}, which does not exist"
+        _fail(
+            f"expected {option} to name a file to write in an existing folder; found "
+            f"{path!r}, {found}. Fix: create the folder, or pass e.g. {option} scaling.png"
+        )
+
+
+def _check_step_spec(spec: str) -> None:
+    """--step FILE.py:FUNCTION names a file that exists (before JAX starts)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name.isidentifier():
+        _fail(
+            f"expected --step FILE.py:FUNCTION; found {spec!r}. Fix: e.g. --step "
+            "train.py:make_step, where make_step() returns (strategy, step_fn, args)"
+        )
+    if not os.path.isfile(path):
+        _fail(
+            f"expected --step's FILE to be a Python file; found {path!r}, which does not "
+            f"exist (relative to {os.getcwd()}). Fix: check the path"
+        )
 
 
 def _setup_devices(devices: int | None) -> None:
@@ -52,6 +88,12 @@ def demo(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show INFO logs."),
 ) -> None:
     """Train an MLP on scikit-learn's bundled digits with a MirroredStrategy."""
+    if loop not in ("fit", "custom"):
+        _fail(f"expected --loop fit or --loop custom; found {loop!r}. Fix: --loop fit")
+    if not learning_rate > 0:
+        _fail(
+            f"expected --learning-rate > 0; found {learning_rate}. Fix: e.g. --learning-rate 3e-3"
+        )
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _setup_devices(devices)
@@ -66,8 +108,7 @@ def demo(
             seed=seed,
         )
     except ValueError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from error
+        _fail(str(error))
 
 
 @app.command()
@@ -104,19 +145,23 @@ def doctor(
     profile_steps: int = typer.Option(5, "--profile-steps", min=1, help="Steps to profile."),
 ) -> None:
     """Prove that training is really distributed: devices, collectives, sync, scale, input."""
+    if step:
+        _check_step_spec(step)
+    _check_output_file(plot, "--plot")
+    if profile and os.path.isfile(profile):
+        _fail(
+            f"expected --profile DIR to be a folder (made if missing); found the file "
+            f"{profile!r}. Fix: pass a folder, e.g. --profile profile/"
+        )
     _setup_devices(devices)
     from mirrored._cli.doctor import builtin_step, user_step
     from mirrored._proof.verify import verify
 
+    if not step:
+        strategy, step_fn, args = builtin_step(batch_size or 128)
     try:
         if step:
             strategy, step_fn, args = user_step(step)
-        else:
-            strategy, step_fn, args = builtin_step(batch_size or 128)
-    except (OSError, ValueError, TypeError, AttributeError) as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from error
-    try:
         report = verify(
             strategy,
             step_fn,
@@ -125,9 +170,15 @@ def doctor(
             scaling=scaling,
             batch_size=batch_size if step else None,
         )
-    except TypeError as error:  # what FUNCTION returned does not fit (e.g. --batch-size)
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from error
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        _fail(str(error))
+    except Exception as error:  # the user's own code failed: one line, and how to see more
+        if not step:
+            raise
+        _fail(
+            f"expected --step {step} to load and run; found {type(error).__name__}: {error}. "
+            "Fix: run the file with python to see the traceback, and fix the step"
+        )
     import json
 
     profiled = None
@@ -166,16 +217,21 @@ def bench(
     plot: str | None = typer.Option(None, "--plot", help="Save the efficiency plot (PNG) here."),
 ) -> None:
     """Weak and strong scaling of the seed and wide MLPs over 1, 2, 4 … N replicas."""
-    _setup_devices(devices)
-    import json
-
-    from mirrored._cli.bench import MODELS, plot_report, print_report, scaling
+    from mirrored._cli.bench import MODELS
 
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
-    if unknown:
-        typer.echo(f"error: unknown model(s) {unknown}; choose from {sorted(MODELS)}", err=True)
-        raise typer.Exit(2)
+    if unknown or not names:
+        _fail(
+            f"expected --models from {', '.join(sorted(MODELS))} (comma-separated); found "
+            f"{models!r}. Fix: e.g. --models seed_mlp,wide_mlp"
+        )
+    _check_output_file(plot, "--plot")
+    _setup_devices(devices)
+    import json
+
+    from mirrored._cli.bench import plot_report, print_report, scaling
+
     report = scaling(names, steps=steps)
     if json_output:
         typer.echo(json.dumps(report, indent=2))
@@ -213,24 +269,20 @@ def launch(
     (MIRRORED_RESTART_COUNT tells them which start this is); SIGTERM to the launcher reaches
     the workers, whose PreemptionCheckpointHandler saves, and the launcher exits 42.
     """
-    import os
     import shutil
     import sys
 
     from mirrored._cluster.launch import launch as run_workers
 
     if not ctx.args:
-        typer.echo("error: expected a script: mirrored launch -n 2 train.py [args]", err=True)
-        raise typer.Exit(2)
+        _fail("expected a script; found none. Fix: mirrored launch -n 2 train.py [args]")
     script, *rest = ctx.args
     if not (os.path.isfile(script) if script.endswith(".py") else shutil.which(script)):
-        typer.echo(
-            f"error: expected SCRIPT to be a .py file or a program on PATH; found {script!r}, "
+        _fail(
+            f"expected SCRIPT to be a .py file or a program on PATH; found {script!r}, "
             "which is neither. Fix: check the path (relative to "
-            f"{os.getcwd()}), e.g. mirrored launch -n 2 train.py",
-            err=True,
+            f"{os.getcwd()}), e.g. mirrored launch -n 2 train.py"
         )
-        raise typer.Exit(2)
     command = [sys.executable, script, *rest] if script.endswith(".py") else [script, *rest]
     code = run_workers(
         command,

@@ -36,9 +36,13 @@ def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
     a compiled Keras model, args then (x, y[, sample_weight]) for its fit."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"Expected --step FILE.py:FUNCTION; found {spec!r}.")
+        raise ValueError(
+            f"Expected --step FILE.py:FUNCTION; found {spec!r}. Fix: e.g. --step train.py:make"
+        )
     if not os.path.exists(path):
-        raise FileNotFoundError(f"Expected a Python file at {path!r}; found none.")
+        raise FileNotFoundError(
+            f"Expected a Python file at {path!r}; found none. Fix: check the path"
+        )
     module_spec = importlib.util.spec_from_file_location("mirrored_doctor_user_step", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
@@ -50,13 +54,17 @@ def user_step(spec: str) -> tuple[Any, Callable[..., Any], tuple[Any, ...]]:
         module_spec.loader.exec_module(module)
         factory = getattr(module, name, None)
         if not callable(factory):
-            raise AttributeError(f"Expected a function {name!r} in {path}; found {factory!r}.")
+            raise AttributeError(
+                f"Expected a function {name!r} in {path}; found {factory!r}. Fix: define "
+                f"def {name}(): ... return strategy, step_fn, args"
+            )
         made = factory()
     finally:
         sys.path.remove(folder)
     if not (isinstance(made, tuple) and len(made) == 3):
         raise TypeError(
-            f"Expected {name}() to return (strategy, step_fn, args); found {type(made).__name__}."
+            f"Expected {name}() to return (strategy, step_fn, args); found "
+            f"{type(made).__name__}. Fix: return the three as a tuple"
         )
     strategy, step_fn, args = made
     return strategy, step_fn, tuple(np.asarray(a) if isinstance(a, list) else a for a in args)

@@ -105,9 +105,28 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"found task={task!r}",
                 'give each process its task: {"type": "worker", "index": i}.',
             )
+        # TensorFlow's multi_worker_util._validate_cluster_spec, plus what would collide here.
+        other = sorted(set(cluster) - {"chief", "worker", "evaluator"})
+        if other:
+            raise _tf_config_error(
+                f"found the task type(s) {other} in cluster",
+                "list only 'chief' and 'worker' (an 'evaluator' is ignored); parameter "
+                "servers do not exist here.",
+            )
         for name in ("chief", "worker"):
             _check_addresses(name, cluster.get(name, []))
         chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
+        if len(chiefs) > 1:
+            raise _tf_config_error(
+                f"found {len(chiefs)} entries in cluster.chief",
+                "keep one chief (TensorFlow's rule too) and list the others as workers.",
+            )
+        twice = sorted({a for a in chiefs + workers if (chiefs + workers).count(a) > 1})
+        if twice:
+            raise _tf_config_error(
+                f"found the address(es) {twice} for more than one task",
+                "give every task its own host:port (two processes cannot bind one port).",
+            )
         kind, index = task["type"], task["index"]
         if kind not in ("chief", "worker"):
             raise _tf_config_error(
