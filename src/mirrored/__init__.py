@@ -23,7 +23,12 @@ from mirrored._persist.checkpoint import (
 from mirrored._proof.checks import Check, Report
 from mirrored._proof.profile import ProfileReport, profile
 from mirrored._proof.verify import verify
-from mirrored._run.errors import PeerFailureError, PythonBranchError, ReplicaDivergenceError
+from mirrored._run.errors import (
+    HangError,
+    PeerFailureError,
+    PythonBranchError,
+    ReplicaDivergenceError,
+)
 from mirrored._strategy.losses import compute_average_loss, scale_regularization_loss
 from mirrored._strategy.strategy import (
     MirroredStrategy,
@@ -48,6 +53,7 @@ __all__ = [
     "ClusterResolver",
     "DistributedDataset",
     "EnvironmentClusterResolver",
+    "HangError",
     "InputContext",
     "InputOptions",
     "MirroredStrategy",

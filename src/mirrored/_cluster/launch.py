@@ -10,12 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import IO
 
 from mirrored._cluster.preemption import RESTART_EXIT_CODE
+from mirrored._core.heartbeat import VERDICT_DIR_ENV
+from mirrored._run.errors import HANG_EXIT_CODE
 
 
 def free_port() -> int:
@@ -138,6 +141,8 @@ def launch(
 
 def _how(code: int) -> str:
     """How a worker ended, from its exit code (128 + N: signal N, as shells report it)."""
+    if code == HANG_EXIT_CODE:
+        return f"was stopped by the hang watchdog (exit code {code})"
     if code > 128:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(code - 128).name} (exit code {code})"
@@ -153,6 +158,26 @@ def _attempt(
     terminated: threading.Event,
 ) -> tuple[int, int]:
     """One start of every worker: (the first failing rank, its code), or (-1, 0)."""
+    with tempfile.TemporaryDirectory(prefix="mirrored-verdict-") as verdicts:
+        rank, code = _start_and_wait(
+            command, num_processes, devices_per_process, grace_s, restart, terminated, verdicts
+        )
+        found = sorted(os.listdir(verdicts))
+        if found:  # the hang watchdog's verdict: the same on every worker
+            with open(os.path.join(verdicts, found[0])) as f:
+                print(f"mirrored launch: the job hung: {f.read().strip()}", flush=True)
+    return rank, code
+
+
+def _start_and_wait(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None,
+    grace_s: float,
+    restart: int,
+    terminated: threading.Event,
+    verdicts: str,
+) -> tuple[int, int]:
     port = free_port()
     token = os.environ.get("MIRRORED_JOB_TOKEN") or secrets.token_hex(16)
     lock = threading.Lock()
@@ -168,6 +193,7 @@ def _attempt(
             PYTHONUNBUFFERED="1",
         )
         env[RESTART_COUNT_ENV] = str(restart)
+        env[VERDICT_DIR_ENV] = verdicts
         if devices_per_process:
             env["MIRRORED_LOCAL_DEVICES"] = str(devices_per_process)
         process = subprocess.Popen(

@@ -78,9 +78,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         initialization_timeout: seconds to wait for every worker to start. A worker that is
             still missing then is a `TimeoutError` in every worker that did start, naming it.
             Default: `$MIRRORED_INIT_TIMEOUT`, else 60.
+        hang_timeout: seconds in which no process advances (no step, input or result)
+            before the job is reported as hung: every process prints which process is behind
+            and where, and at which step the others wait, dumps its threads' stacks, raises
+            `mirrored.HangError` and exits with code 44. Default `$MIRRORED_HANG_TIMEOUT`,
+            else 300 with several processes (600 s more while one compiles or writes a
+            checkpoint); 0 turns it off.
 
     Differs from tf.distribute: TensorFlow has no such timeout (its workers wait for each
-    other); here a missing worker is an error within `initialization_timeout`.
+    other); here a missing worker is an error within `initialization_timeout`. TensorFlow's
+    `CommunicationOptions(timeout_seconds=)` raises a DeadlineExceededError naming nothing;
+    `hang_timeout` names the stalled process.
 
     Example:
         >>> strategy = mirrored.MultiWorkerMirroredStrategy()   # in a script run by
@@ -94,6 +102,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         initialization_timeout: float | None = None,
         max_in_flight: int | None = None,
         donate: bool = True,
+        hang_timeout: float | None = None,
     ) -> None:
         timeout_s = initialization_seconds(initialization_timeout)
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
@@ -105,7 +114,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             coordinator_address="", num_processes=1, process_id=0
         )
         devices = jax.devices()
-        super().__init__(devices, max_in_flight=max_in_flight, donate=donate)
+        super().__init__(
+            devices, max_in_flight=max_in_flight, donate=donate, hang_timeout=hang_timeout
+        )
         if self.is_chief:
             logger.info(
                 "MultiWorkerMirroredStrategy: %d replica(s) in %d process(es): %s",

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrored._core import heartbeat as _heartbeat
 from mirrored._core.values import PerReplica
 from mirrored._data import batching as _batching
 from mirrored._data.prefetch import Prefetcher
@@ -330,12 +331,35 @@ class DistributedDataset:
         batches = _nonempty_stream(self._batches(epoch))
         if skip:
             batches = itertools.islice(batches, skip, None)
-        placed = map(self._place, batches)
-        if not self._options.experimental_fetch_to_device or self._processes > 1:
+        placed: Iterator[Any] = map(self._place, batches)
+        if self._options.experimental_fetch_to_device and self._processes == 1:
             # Across processes, placing from a second thread can reorder work between the
             # processes' device threads and stall a collective; place on the calling thread.
-            return placed
-        return Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
+            placed = Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
+        return _InputPhase(placed)
+
+
+class _InputPhase(Iterator[Any]):
+    """The batches, the wait for each marked as the "input" phase (the hang watchdog's)."""
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+
+    def __next__(self) -> Any:
+        beat = _heartbeat.BEAT
+        previous = beat.phase
+        beat.beats += 1
+        beat.phase = "input"
+        try:
+            return next(self._batches)
+        finally:
+            beat.beats += 1
+            beat.phase = previous
+
+    def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
+        return getattr(self._batches, name)
 
 
 class _CheckedAtTheEnd(Iterator[Any]):

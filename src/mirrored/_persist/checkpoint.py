@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mirrored._core import hooks
+from mirrored._core import heartbeat, hooks
 from mirrored._core import mesh as _mesh
 from mirrored._core.leaves import is_hollow, is_key, raw_array
 from mirrored._core.mesh import is_per_replica_state
@@ -411,6 +411,7 @@ class Checkpoints:
         self._manager.close()
 
 
+@heartbeat.marked("checkpoint")
 def save_checkpoint(
     directory: str | os.PathLike[str],
     model: Any,
@@ -470,6 +471,7 @@ def save_objects(
         checkpoints.close()
 
 
+@heartbeat.marked("checkpoint")
 def restore_checkpoint(
     directory: str | os.PathLike[str],
     model: Any,

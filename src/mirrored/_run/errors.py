@@ -119,6 +119,23 @@ class PeerFailureError(RuntimeError):
 
 
 PEER_FAILURE_EXIT_CODE = 43  # a process that saw a PeerFailureError exits with this
+HANG_EXIT_CODE = 44  # every process of a job the hang watchdog stopped exits with this
+
+
+class HangError(PeerFailureError):
+    """No process advanced for `hang_timeout` seconds: says which process is behind, where,
+    and at which step the others wait (`mirrored._run.hang`)."""
+
+
+_HANG_DIAGNOSIS: list[Any] = []  # the watchdog's "conclude now", when one runs
+HANG_VERDICT: list[str] = []  # the watchdog's verdict, once it has concluded
+
+
+def register_hang_diagnosis(diagnose: Any) -> None:
+    """A collective that timed out asks the hang watchdog (if any) for its verdict."""
+    _HANG_DIAGNOSIS[:] = [diagnose]
+
+
 FAILURE_KEY = "mirrored/failure"  # the first process to fail says why, in JAX's key-value store
 _SEEN_DIR = "mirrored/failure_seen/"  # each other process acknowledges it here
 WATCH_INTERVAL_S = 0.25  # how often each process looks for a peer's failure
@@ -306,7 +323,9 @@ def exit_cleanly_on_peer_failure() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)
-        if isinstance(value, PeerFailureError) or _collective_failure(value):
+        if isinstance(value, HangError) or HANG_VERDICT:  # the hang, reported above
+            _exit_at_the_end(HANG_EXIT_CODE)
+        elif isinstance(value, PeerFailureError) or _collective_failure(value):
             if not isinstance(value, PeerFailureError):
                 known = _peer_failure_text()
                 print(
@@ -351,7 +370,11 @@ def peer_failures() -> Iterator[None]:
     try:
         yield
     except Exception as error:
+        if HANG_VERDICT:  # the watchdog stopped the job: this is the hang it reported
+            raise HangError(HANG_VERDICT[0]) from error
         if jax.process_count() > 1 and _collective_failure(error):
+            if _HANG_DIAGNOSIS and "imed out" in str(error) and not _dead_processes():
+                _HANG_DIAGNOSIS[0]()  # a stalled peer: the watchdog names it, then ends this
             _exit_at_the_end()
             raise PeerFailureError(
                 "A collective between the worker processes failed: a peer process failed, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -50,6 +51,7 @@ class Program:
     check_inputs: tuple[str, ...] = ()  # the names of the batch leaves flagged
     check_layout: tuple[tuple[str, str], ...] = ()
     name: str = ""
+    where: str = ""  # "train_step at train.py:12": the hang watchdog names it
     fn_key: Any = None  # counts the steps of one step function
     steps: int = 1  # per call
     eager: bool = False
@@ -276,7 +278,13 @@ def compile_step(
         )
 
     def program_fields() -> dict[str, Any]:
-        fields = {"fn_key": _fn_key(fn), "steps": steps or 1, "eager": eager, "name": fn_name}
+        fields = {
+            "fn_key": _fn_key(fn),
+            "steps": steps or 1,
+            "eager": eager,
+            "name": fn_name,
+            "where": _defined_at(fn, fn_name),
+        }
         if checking:
             inputs, layout = recorded["check"]
             fields.update(checked=True, check_inputs=inputs, check_layout=tuple(layout))
@@ -333,6 +341,15 @@ def compile_step(
         out_masked=per_example,
         **program_fields(),
     )
+
+
+def _defined_at(fn: Any, name: str) -> str:
+    """`name at file:line` of `fn`'s code, or `name` when it has none."""
+    target = inspect.unwrap(fn)
+    code = getattr(target, "__code__", None) or getattr(type(target).__call__, "__code__", None)
+    if code is None:
+        return name
+    return f"{name} at {code.co_filename}:{code.co_firstlineno}"
 
 
 def _check_writes(

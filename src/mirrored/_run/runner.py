@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mirrored._core import heartbeat as _heartbeat
 from mirrored._core import hooks
 from mirrored._core import settings as config
 from mirrored._core.global_rows import RealRowsNeeded
@@ -94,6 +95,7 @@ class Runner:
         self.notes: dict[Any, str] = {}  # warnings of step functions' first traces
         self._steps_run: dict[Any, int] = {}  # steps run, per step function
         self.last_first_step = 0  # the number of the last call's first step (of its function)
+        self._ran: set[int] = set()  # programs called at least once (the first compiles)
         # check_numerics: a mirrored flag, set by the first non-finite step, after which the
         # checked programs change nothing; and the flags not yet looked at (checked with the
         # dispatch bound's lag, so the devices never wait for the host).
@@ -337,6 +339,10 @@ class Runner:
     ) -> Any:
         if self.donate and rep:
             state = dispatch.unaliased(state, rep)
+        beat = _heartbeat.BEAT  # the hang watchdog's view: a few attribute writes
+        beat.beats += 1
+        beat.phase = "step" if id(program) in self._ran else "compile"
+        beat.fn = program.where
         with peer_failures():
             if program.checked:  # the latch goes in and out with the state
                 new_state, outs, token = program.call([*state, self.latch()], split, rep)
@@ -353,6 +359,10 @@ class Runner:
                 flags.copy_to_host_async()  # on the host by the time it is looked at
                 self._pending.append((program, flags, first))
                 self.check_pending(keep=0 if program.eager else self._check_lag)
+        self._ran.add(id(program))
+        beat.steps += program.steps
+        beat.beats += 1
+        beat.phase = "host"
         n = self.n
         # Outputs per example of a padded batch carry its mask (a masked program takes it last).
         mask, count = (split[-1], rep[-1]) if program.any_masked else (None, None)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from mirrored._core import context as _context
+from mirrored._core import heartbeat as _heartbeat
 from mirrored._core import hooks
 from mirrored._core import lowering as _lowering
 from mirrored._core import mesh as _mesh
@@ -19,6 +20,7 @@ from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._core.values import PerReplica, ReduceOp, ValueContext
 from mirrored._data import input as _input
+from mirrored._run import hang
 from mirrored._run.runner import Runner
 from mirrored._strategy import abstract, cross_replica
 
@@ -87,6 +89,7 @@ class Strategy:
         *,
         max_in_flight: int | None = None,
         donate: bool = True,
+        hang_timeout: float | None = None,
     ) -> None:
         if not isinstance(donate, bool):
             raise TypeError(f"Expected donate to be True or False; found {donate!r}.")
@@ -108,6 +111,7 @@ class Strategy:
         self._replicated = _mesh.replicated(self._mesh)
         self._split = _mesh.split(self._mesh)
         self._runner = Runner(self, max_in_flight=max_in_flight, donate=donate)
+        hang.start_watchdog(hang_timeout)  # several processes: on by default
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -288,7 +292,8 @@ class Strategy:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
         self._runner.check_pending()  # check_numerics: raised before the value is read
-        return cross_replica.reduce(self, reduce_op, value, axis)
+        with _heartbeat.phase("read"):
+            return cross_replica.reduce(self, reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's value along `axis`, in replica order.
@@ -297,7 +302,8 @@ class Strategy:
         rows only, in order: the global batch as the dataset yielded it.
         """
         self._runner.check_pending()  # check_numerics: raised before the value is read
-        return cross_replica.gather(self, value, axis)
+        with _heartbeat.phase("read"):
+            return cross_replica.gather(self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This process's replicas' values, one entry per replica, each on its own device.
@@ -413,6 +419,9 @@ class MirroredStrategy(Strategy):
         donate: let each step reuse the previous state's device memory (the default; an
             array read out of a variable before a step is deleted by it). `False` keeps such
             arrays valid, at the cost of holding two copies of the state during a step.
+        hang_timeout: seconds without any step, input or result before the job is reported
+            as hung and stopped (`mirrored.HangError`, exit code 44, the stack of every
+            thread); default `$MIRRORED_HANG_TIMEOUT`, else off for one process.
 
     Example:
         >>> strategy = mirrored.MirroredStrategy()
@@ -426,9 +435,12 @@ class MirroredStrategy(Strategy):
         *,
         max_in_flight: int | None = None,
         donate: bool = True,
+        hang_timeout: float | None = None,
     ) -> None:
         resolved = resolve_devices(devices)
-        super().__init__(resolved, max_in_flight=max_in_flight, donate=donate)
+        super().__init__(
+            resolved, max_in_flight=max_in_flight, donate=donate, hang_timeout=hang_timeout
+        )
         logger.info(
             "%s: %d replica(s) on %s",
             type(self).__name__,

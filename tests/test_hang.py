@@ -1,0 +1,195 @@
+"""The hang watchdog (issue 37): a stalled process is named, with where every process waits,
+and the whole job exits with code 44 within seconds, never a silent hang or SIGABRT.
+
+Real processes on 127.0.0.1 under `timeout -k`, hang_timeout=20 (one process: 5), and the
+verdict's sentence from made-up reports."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import subprocess_env
+from mirrored._run.hang import hang_seconds, verdict
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "_hang_script.py")
+
+
+def _run(out, *extra, processes=2, launcher=(), limit=150):
+    if processes:
+        command = [sys.executable, "-m", "mirrored.cli", "launch", "-n", str(processes)]
+        command += ["--devices-per-process", "2", "--grace", "10", *launcher]
+        command += [SCRIPT, str(out), "--workers", *extra]
+    else:
+        command = [sys.executable, SCRIPT, str(out), *extra]
+    env = {**subprocess_env(), "PYTHONPATH": str(HERE), "PYTHONUNBUFFERED": "1"}
+    run = subprocess.run(
+        ["timeout", "-k", "10", str(limit), *command],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HERE,
+    )
+    ended = time.time()
+    text = run.stdout + run.stderr
+    stalled = re.search(r"(?:stalls in .*?|skips step \d+) at (\d+\.\d+)", text)
+    return run.returncode, text, ended - float(stalled[1]) if stalled else None
+
+
+def _none_left(out):
+    """Every process that wrote a pid file is gone."""
+    pids = [int(p.read_text()) for p in Path(out).glob("pid.*")]
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _verdict(text):
+    lines = [line for line in text.splitlines() if line.startswith("mirrored launch: the job hung")]
+    assert len(lines) == 1, text[-4000:]
+    return lines[0]
+
+
+HUNG = [
+    (
+        ["--stall-rank", "1", "--how", "input"],
+        "process 1 (worker 1) stopped after step 3, in its input (",
+        "process 0 (worker 0) waits in the all-reduce of step 4 (train_step at ",
+    ),
+    (
+        ["--stall-rank", "1", "--how", "step"],
+        "process 1 (worker 1) is stuck inside a step: a host callback has not returned (",
+        "process 0 (worker 0) waits in the all-reduce of step 4 (step_with_callback at ",
+    ),
+    (
+        ["--stall-rank", "1", "--how", "skip"],
+        "process 1 (worker 1) dispatched 7 steps and the others 8: it skipped a step",
+        "process 0 (worker 0) waits in the all-reduce of step 8 (train_step at ",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "behind", "waiting"), HUNG, ids=["input", "step", "skip"])
+def test_a_stalled_worker_is_named_and_every_process_exits_44(tmp_path, extra, behind, waiting):
+    code, text, took = _run(tmp_path, *extra, "--hang-timeout", "20")
+    assert code == 44, text[-4000:]
+    line = _verdict(text)
+    assert behind in line and waiting in line, line
+    # Every process printed the verdict and its stacks; none aborted.
+    assert text.count("mirrored: HangError: No process advanced") == 2, text[-4000:]
+    assert text.count("every thread's stack follows") == 2
+    assert "Abort" not in text and "SIGABRT" not in text
+    assert "process 0 done" not in text  # (process 1 that skipped a step reaches its end)
+    assert took is not None and took < 60, (took, text[-2000:])
+    print(f"stall to the last exit: {took:.1f} s")  # the closing note's numbers (-s)
+    _none_left(tmp_path)
+
+
+def test_a_stalled_chief_is_named_and_the_launcher_restarts_the_job(tmp_path):
+    """The chief stalls in its input (it hosts the coordination service: it leaves last);
+    with --max-restarts 1 the launcher prints the verdict and starts the job again."""
+    code, text, _ = _run(
+        tmp_path,
+        "--stall-rank",
+        "0",
+        "--how",
+        "input",
+        "--hang-timeout",
+        "20",
+        "--stall-once",
+        launcher=("--max-restarts", "1"),
+    )
+    assert code == 0, text[-4000:]
+    line = _verdict(text)
+    assert "process 0 (worker 0) stopped after step 3, in its input (" in line, line
+    assert "process 1 (worker 1) waits in the all-reduce of step 4" in line, line
+    assert re.search(
+        r"worker \d was stopped by the hang watchdog \(exit code 44\); restarting", text
+    )
+    assert text.count("done, loss") == 2  # the restart ran to the end
+    _none_left(tmp_path)
+
+
+def test_a_slow_but_progressing_worker_is_never_a_hang(tmp_path):
+    """Worker 1 takes 2 s per step with hang_timeout=3: the job is slow, not hung."""
+    code, text, _ = _run(
+        tmp_path,
+        "--stall-rank",
+        "1",
+        "--how",
+        "slow",
+        "--slow",
+        "2",
+        "--steps",
+        "5",
+        "--hang-timeout",
+        "3",
+    )
+    assert code == 0, text[-4000:]
+    assert "HangError" not in text and text.count("done, loss") == 2
+
+
+@pytest.mark.parametrize(
+    ("how", "behind"),
+    [
+        ("input", "this process: process 0 (worker 0) stopped after step 3, in its input ("),
+        ("step", "this process: process 0 (worker 0) is stuck inside a step: a host callback"),
+    ],
+)
+def test_one_process_with_a_timeout_reports_its_own_stall(tmp_path, how, behind):
+    code, text, took = _run(
+        tmp_path, "--stall-rank", "0", "--how", how, "--hang-timeout", "5", processes=0
+    )
+    assert code == 44, text[-4000:]
+    assert behind in text, text[-4000:]
+    assert "every thread's stack follows" in text and "Thread 0x" in text
+    assert took is not None and took < 30, took
+    _none_left(tmp_path)
+
+
+def _report(steps, phase, *, in_jax=False, callback="", fn="train_step at t.py:1"):
+    return {
+        "steps": steps,
+        "phase": phase,
+        "fn": fn,
+        "main": "t.py:9 in loop",
+        "in_jax": in_jax,
+        "callback": callback,
+    }
+
+
+def test_the_verdict_names_the_process_behind_and_where_the_others_wait():
+    waiting = _report(5, "step")
+    text = verdict({0: waiting, 1: _report(3, "input"), 2: waiting, 3: waiting}, 4, 21.0, 20)
+    assert text == (
+        "No process advanced in 21 s (hang_timeout=20 s); process 1 (worker 1) stopped after "
+        "step 3, in its input (t.py:9 in loop); processes 0, 2, 3 wait in the all-reduce of "
+        "step 4 (train_step at t.py:1)."
+    )
+    # A process gone, one that never answered, and one still in its first compile.
+    text = verdict({0: waiting, 2: _report(0, "compile")}, 4, 20.0, 20, dead=[3])
+    assert "process 3 (worker 3) is no longer alive" in text
+    assert "process 1 (worker 1) did not answer" in text
+    assert "process 2 (worker 2) stopped after step 0, compiling train_step at t.py:1" in text
+    # Everyone waits for the devices, at the same step: none is behind in Python.
+    text = verdict({0: waiting, 1: _report(5, "host", in_jax=True)}, 2, 20.0, 20)
+    assert "processes 0, 1 wait for the devices at step 5" in text and "none is behind" in text
+
+
+def test_the_timeout_is_checked_and_defaults_by_process_count(monkeypatch):
+    monkeypatch.delenv("MIRRORED_HANG_TIMEOUT", raising=False)
+    assert hang_seconds(None, 1) is None and hang_seconds(None, 2) == 300.0
+    assert hang_seconds(0, 2) is None and hang_seconds(7.5, 1) == 7.5
+    monkeypatch.setenv("MIRRORED_HANG_TIMEOUT", "12")
+    assert hang_seconds(None, 1) == 12.0
+    monkeypatch.setenv("MIRRORED_HANG_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"Expected \$MIRRORED_HANG_TIMEOUT .* found nan"):
+        hang_seconds(None, 2)
+    with pytest.raises(ValueError, match="Expected hang_timeout to be a number of seconds"):
+        hang_seconds(-1, 2)
