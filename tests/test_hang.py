@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from _helpers import subprocess_env
+from mirrored._proof.processes import stragglers
 from mirrored._run.hang import hang_seconds, verdict
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +89,21 @@ def test_a_stalled_worker_is_named_and_every_process_exits_44(tmp_path, extra, b
     assert "process 0 done" not in text  # (process 1 that skipped a step reaches its end)
     assert took is not None and took < 60, (took, text[-2000:])
     print(f"stall to the last exit: {took:.1f} s")  # the closing note's numbers (-s)
+    _none_left(tmp_path)
+
+
+def test_a_collective_that_times_out_names_the_stalled_worker_at_once(tmp_path):
+    """With the default hang_timeout (300 s), gloo's 30 s collective timeout on CPU comes first:
+    it asks the watchdog for its verdict instead of ending with a raw "Timed out" naming no
+    process."""
+    code, text, took = _run(tmp_path, "--stall-rank", "1", "--how", "input")
+    assert code == 44, text[-4000:]
+    line = _verdict(text)
+    assert "(a collective timed out; hang_timeout=300 s)" in line, line
+    assert "process 1 (worker 1) stopped after step 3, in its input (" in line, line
+    assert "process 0 (worker 0) waits in the all-reduce of step 4" in line, line
+    assert "Abort" not in text and "exits with code 43" not in text
+    assert took is not None and took < 60, took
     _none_left(tmp_path)
 
 
@@ -193,3 +209,14 @@ def test_the_timeout_is_checked_and_defaults_by_process_count(monkeypatch):
         hang_seconds(None, 2)
     with pytest.raises(ValueError, match="Expected hang_timeout to be a number of seconds"):
         hang_seconds(-1, 2)
+
+
+def test_the_stragglers_line_names_the_process_the_others_wait_for():
+    """Every process' step takes 10 ms; process 2 waits 1 ms of it and the others 7: process
+    2 works 6 ms more per step, and they wait for it."""
+    check = stragglers([0.010, 0.010, 0.010, 0.0101], [0.007, 0.0071, 0.001, 0.0069])
+    assert check.status == "WARN", check.summary
+    assert check.summary.startswith("process 2 is the slowest: it works 9.00 ms per step")
+    assert "the others wait up to 7.10 ms per step for it" in check.summary
+    check = stragglers([0.010, 0.010], [0.004, 0.0038])
+    assert check.status == "PASS" and check.summary.startswith("none: median step per process")

@@ -290,4 +290,6 @@ def test_verify_on_two_processes_reports_their_agreement():
             continue
         for name in ("Devices", "Collectives", "Replicas_in_sync", "Single-device_equivalence"):
             assert checks[name] == "PASS", (rank, case, name)
+        # Issue 37: each process' step time and wait; 2 busy cores may well make one slower.
+        assert checks["Stragglers"] in ("PASS", "WARN"), (rank, case)
     assert "args[0].hidden.kernel (processes [1] vs 0)" in done.stdout

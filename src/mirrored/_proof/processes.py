@@ -4,12 +4,17 @@ batches and copies it needs there (each process holds its own rows of a global b
 from __future__ import annotations
 
 import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
+from mirrored._core import heartbeat as _heartbeat
 from mirrored._core.leaves import raw_array
-from mirrored._proof.checks import FAIL, INFO, PASS, Check
+from mirrored._proof.checks import FAIL, INFO, PASS, WARN, Check
 
 
 def digest(array: jax.Array) -> np.ndarray:
@@ -74,3 +79,57 @@ def global_host_value(array: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+STRAGGLER_SHARE = 0.2  # a process working this share of a step longer than the least busy one
+
+
+def check_stragglers(run_step: Callable[[], Any], steps: int = 20) -> Check:
+    """Run `steps` steps and compare the processes (the hang watchdog's heartbeats: how long
+    each one's host waited for the devices): a straggler is the process that waits least, for
+    the others wait for it in every step's collective."""
+    from jax.experimental import multihost_utils
+
+    beat = _heartbeat.BEAT
+    waited = beat.waited
+    intervals = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+        now = time.perf_counter()
+        intervals.append(now - last)
+        last = now
+    local = np.asarray([statistics.median(intervals), (beat.waited - waited) / steps])
+    every = np.asarray(multihost_utils.process_allgather(local.astype(np.float32)))
+    return stragglers(every[:, 0].tolist(), every[:, 1].tolist())
+
+
+def stragglers(step_s: list[float], waited_s: list[float]) -> Check:
+    """The Stragglers line from each process' median step time and its wait per step."""
+    own = [max(s - w, 0.0) for s, w in zip(step_s, waited_s, strict=True)]
+    slowest = int(np.argmax(own))
+    typical = float(np.median(step_s))
+    gap = own[slowest] - min(own)
+    times = ", ".join(f"{s * 1e3:.2f}" for s in step_s)
+    data = {"step_ms": [s * 1e3 for s in step_s], "waited_ms": [w * 1e3 for w in waited_s]}
+    if gap <= STRAGGLER_SHARE * typical or gap < 5e-4:
+        return Check(
+            "Stragglers",
+            PASS,
+            f"none: median step per process {times} ms; each works within "
+            f"{gap * 1e3:.2f} ms of the others per step",
+            data=data,
+        )
+    others = [w for i, w in enumerate(waited_s) if i != slowest]
+    return Check(
+        "Stragglers",
+        WARN,
+        f"process {slowest} is the slowest: it works {own[slowest] * 1e3:.2f} ms per step "
+        f"outside the collectives, {gap * 1e3:.2f} ms more than the quickest, and the others "
+        f"wait up to {max(others) * 1e3:.2f} ms per step for it (median step per process "
+        f"{times} ms)",
+        "Every step waits for the slowest process. Look at its input pipeline and host work "
+        "(a slower disk, a busier machine, more Python per step); left alone, a straggler "
+        "that stops becomes a hang (hang_timeout).",
+        data,
+    )

@@ -37,7 +37,7 @@ from mirrored._proof.checks import (
     check_scaling,
     gpus_visible_to_system,
 )
-from mirrored._proof.processes import check_processes, global_host_value
+from mirrored._proof.processes import check_processes, check_stragglers, global_host_value
 from mirrored._run.errors import ReplicaDivergenceError
 
 
@@ -262,6 +262,8 @@ def verify(
         checks.append(check_in_sync(_mirrored_arrays(copies)))
     except ValueError as error:
         checks.append(Check("Replicas in sync", FAIL, str(error).split("\n")[0], str(error)))
+    if processes > 1 and checks[-1].status != FAIL:
+        checks.append(check_stragglers(lambda: strategy.run(step_fn, args=copies)))
     note = strategy._step_runner().note(step_fn, copies)
     if note is not None:  # a plain BatchNorm on few rows per replica
         checks.append(Check("BatchNorm batch size", WARN, note.split("; ")[0], note))

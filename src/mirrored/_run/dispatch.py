@@ -4,10 +4,13 @@ collectives), and donated state buffers each held once."""
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from mirrored._core.heartbeat import BEAT
 
 MAX_IN_FLIGHT = 2  # steps queued before the host waits, with several replicas
 
@@ -26,7 +29,9 @@ class DispatchBound:
             return
         self._in_flight.append(token)
         while len(self._in_flight) > self.max_in_flight:
+            start = time.perf_counter()
             self._in_flight.popleft().block_until_ready()
+            BEAT.waited += time.perf_counter() - start  # a straggler's peers wait here
 
 
 def own_buffers(state: list[jax.Array], donate: bool) -> list[jax.Array]:

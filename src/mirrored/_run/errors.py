@@ -131,6 +131,14 @@ _HANG_DIAGNOSIS: list[Any] = []  # the watchdog's "conclude now", when one runs
 HANG_VERDICT: list[str] = []  # the watchdog's verdict, once it has concluded
 
 
+def _stalled_peer(error: BaseException) -> str:
+    """For a collective that timed out while every process lives: the hang watchdog's verdict
+    (it names the stalled process and ends this one), else ""."""
+    if not _HANG_DIAGNOSIS or "imed out" not in str(error) or _dead_processes():
+        return ""
+    return str(_HANG_DIAGNOSIS[0]())
+
+
 def register_hang_diagnosis(diagnose: Any) -> None:
     """A collective that timed out asks the hang watchdog (if any) for its verdict."""
     _HANG_DIAGNOSIS[:] = [diagnose]
@@ -323,8 +331,8 @@ def exit_cleanly_on_peer_failure() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)
-        if isinstance(value, HangError) or HANG_VERDICT:  # the hang, reported above
-            _exit_at_the_end(HANG_EXIT_CODE)
+        if isinstance(value, HangError) or HANG_VERDICT or _stalled_peer(value):
+            _exit_at_the_end(HANG_EXIT_CODE)  # the hang, reported above
         elif isinstance(value, PeerFailureError) or _collective_failure(value):
             if not isinstance(value, PeerFailureError):
                 known = _peer_failure_text()
@@ -373,8 +381,9 @@ def peer_failures() -> Iterator[None]:
         if HANG_VERDICT:  # the watchdog stopped the job: this is the hang it reported
             raise HangError(HANG_VERDICT[0]) from error
         if jax.process_count() > 1 and _collective_failure(error):
-            if _HANG_DIAGNOSIS and "imed out" in str(error) and not _dead_processes():
-                _HANG_DIAGNOSIS[0]()  # a stalled peer: the watchdog names it, then ends this
+            stalled = _stalled_peer(error)
+            if stalled:
+                raise HangError(stalled) from error
             _exit_at_the_end()
             raise PeerFailureError(
                 "A collective between the worker processes failed: a peer process failed, "

@@ -15,6 +15,7 @@ local devices) is watched the same way when asked for, without the store.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -165,6 +166,7 @@ def verdict(
     stalled_s: float,
     timeout_s: float,
     dead: list[int] | None = None,
+    timed_out: bool = False,
 ) -> str:
     """One sentence for every process: who is behind and where, at which step the others
     wait. `reports` by rank (missing: did not answer); `dead`: ranks known to be gone."""
@@ -223,8 +225,11 @@ def verdict(
             )
     alone = " " if processes > 1 else " this process: "
     return (
-        f"No process advanced in {max(stalled_s, timeout_s):.0f} s (hang_timeout={timeout_s:g} "
-        f"s);{alone}" + "; ".join(parts) + "."
+        f"No process advanced in {stalled_s:.0f} s ("
+        + ("a collective timed out; " if timed_out else "")
+        + f"hang_timeout={timeout_s:g} s);{alone}"
+        + "; ".join(parts)
+        + "."
     )
 
 
@@ -238,7 +243,9 @@ class Watchdog:
         self.processes = jax.process_count()
         self.client = coordination_client() if self.processes > 1 else None
         self._stop = threading.Event()
-        self._declared = threading.Event()
+        self._declared = threading.Event()  # this process asks for the verdict now
+        self._concluded = threading.Event()  # the verdict is out (HANG_VERDICT)
+        self._released = threading.Event()  # this process may end (the chief: the others did)
         self._message = ""
         self._published: tuple[int, str] | None = None
         self.thread = threading.Thread(target=self._watch, name="mirrored-hang-watchdog")
@@ -263,6 +270,15 @@ class Watchdog:
                 found.setdefault(int(key.rsplit("/", 1)[-1]), (int(beats), phase))
         return found
 
+    def _timed_out_elsewhere(self) -> bool:
+        """Whether the hang was declared early, by a collective's timeout in some process."""
+        if self.client is None:
+            return False
+        try:
+            return str(self.client.key_value_try_get(_DECLARED)).endswith(" timeout")
+        except Exception:
+            return False
+
     def _someone_declared(self) -> bool:
         if self._declared.is_set():
             return True
@@ -275,13 +291,14 @@ class Watchdog:
         return True
 
     def _watch(self) -> None:
-        last: dict[int, tuple[int, str]] = {}
+        last: dict[int, int] = {}
         since = time.monotonic()
         while not self._stop.wait(self.interval_s):
             beats = self._beats()
             now = time.monotonic()
-            if beats != last:
-                last, since = beats, now
+            counts = {rank: count for rank, (count, _) in beats.items()}
+            if counts != last:
+                last, since = counts, now
             slow = any(phase in _heartbeat.SLOW for _, phase in beats.values())
             limit = self.timeout_s + (SLOW_EXTRA_S if slow else 0.0)
             if now - since > limit or self._someone_declared():
@@ -314,7 +331,8 @@ class Watchdog:
         reports = self._reports()
         missing = [r for r in range(self.processes) if r not in reports]
         dead = [r for r in _dead_processes() if r in missing] if missing else []
-        message = verdict(reports, self.processes, stalled_s, self.timeout_s, dead)
+        timed_out = self._declared.is_set() or self._timed_out_elsewhere()
+        message = verdict(reports, self.processes, stalled_s, self.timeout_s, dead, timed_out)
         self._message = message
         HANG_VERDICT.append(message)
         own = reports[self.rank]
@@ -342,6 +360,7 @@ class Watchdog:
             ):
                 f.write(message)
         _exit_at_the_end(HANG_EXIT_CODE)
+        self._concluded.set()
         self._leave()
 
     def _leave(self) -> None:
@@ -359,8 +378,10 @@ class Watchdog:
                         break
                     time.sleep(0.1)
                 time.sleep(MAIN_GRACE_S + 0.5)  # they are gone by now
+        self._released.set()
         main = threading.main_thread()
-        if _HANDLER_INSTALLED and main.is_alive():  # a HangError where the main thread is
+        waits = self._declared.is_set()  # in diagnose_now: it raises the HangError itself
+        if _HANDLER_INSTALLED and main.is_alive() and not waits:  # a HangError where it is
             with contextlib.suppress(Exception):
                 signal.pthread_kill(main.ident or 0, _SIGNAL)
             main.join(MAIN_GRACE_S)
@@ -368,14 +389,18 @@ class Watchdog:
 
     # -- a collective that timed out -----------------------------------------------------------
 
-    def diagnose_now(self) -> None:
-        """A collective timed out (gloo's timeout): conclude now instead of at hang_timeout;
-        this thread then waits for the watchdog to end the process."""
-        self._declared.set()
-        if self.client is not None:
+    def diagnose_now(self) -> str:
+        """A collective timed out (gloo's timeout, on CPU): the verdict now instead of at
+        hang_timeout, returned to the caller, which raises it; the watchdog then ends the
+        process, the chief last."""
+        _heartbeat.BEAT.phase = "step"  # it waited in the step's collective
+        if self.client is not None:  # before the event: the watchdog's own declaration
             with contextlib.suppress(Exception):
-                self.client.key_value_set(_DECLARED, str(self.rank))
-        time.sleep(REPORT_WAIT_S + 2 * MAIN_GRACE_S + 5)
+                self.client.key_value_set(_DECLARED, f"{self.rank} timeout")
+        self._declared.set()
+        self._concluded.wait(REPORT_WAIT_S + 5 * self.interval_s + 5)
+        self._released.wait(2 * REPORT_WAIT_S + MAIN_GRACE_S + 1)  # the chief leaves last
+        return HANG_VERDICT[0] if HANG_VERDICT else ""
 
 
 _SIGNAL = signal.SIGUSR2
@@ -390,6 +415,12 @@ def _raise_hang(signum: int, frame: Any) -> None:
         "the job (BackupAndRestore resumes it; `mirrored launch --max-restarts N` restarts it "
         "by itself); hang_timeout= (MIRRORED_HANG_TIMEOUT) sets how long a stall may last."
     )
+
+
+def _script_ended() -> None:
+    beat = _heartbeat.BEAT
+    beat.beats += 1
+    beat.phase = "exit"
 
 
 def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
@@ -412,6 +443,7 @@ def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
         signal.signal(_SIGNAL, _raise_hang)
         _HANDLER_INSTALLED = True
     register_hang_diagnosis(watchdog.diagnose_now)
+    atexit.register(_script_ended)  # runs before JAX's shutdown barrier (registered earlier)
     watchdog.thread.start()
     logger.info("Hang watchdog: a stall of %g s is reported and ends the job.", timeout_s)
     return watchdog
