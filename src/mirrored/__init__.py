@@ -14,6 +14,7 @@ from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._core.platform import simulate_cpu_devices
 from mirrored._core.values import PerReplica, ReduceOp, ValueContext
 from mirrored._data.input import DistributedDataset, InputContext, InputOptions
+from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._persist.checkpoint import (
     checkpoint_extras,
     latest_checkpoint,
@@ -68,6 +69,7 @@ __all__ = [
     "ReplicaContext",
     "ReplicaDivergenceError",
     "Report",
+    "ShardedOptimizer",
     "SlurmClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",

@@ -181,6 +181,9 @@ class ReplicaContext:
         self.loss_shared = False
         self.mask_read = False  # whether the step read `example_mask` (it masks rows itself)
         self.warnings = True  # trace-time warnings (`run` traces a step twice: warns once)
+        # ShardedOptimizer.update calls of this step, applied after it in the global view:
+        # (optimizer, model, gradients, keyword arguments), the traced objects.
+        self.deferred_updates: list[tuple[Any, Any, Any, Any]] = []
         # Ids of state variables whose update only added to them (user's Flax metrics):
         # `run` sums the replicas' additions, as for metrics.
         self.summed_states: set[int] = set()

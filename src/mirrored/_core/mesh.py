@@ -37,6 +37,14 @@ def split(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, SPLIT)
 
 
+def is_sharded_variable(variable: object) -> bool:
+    """Whether `variable` is a ShardedOptimizer's state leaf planned to be split over the
+    replicas (its `sharded` metadata): its shards differ by design, and it is never
+    per-replica state, whatever its layout looks like."""
+    has = getattr(variable, "has_metadata", None)
+    return bool(has and has("sharded") and variable.get_metadata("sharded") != REPLICATED)  # type: ignore[attr-defined]
+
+
 def is_per_replica_state(x: object) -> bool:
     """Whether the array `x` is per-replica state: one row per replica, its leading axis split
     over the replica axis (the Trainer's local gradient sums), not mirrored."""
@@ -47,3 +55,19 @@ def is_per_replica_state(x: object) -> bool:
         and spec[0] == REPLICA_AXIS
         and all(axis is None for axis in spec[1:])
     )
+
+
+def sharded_spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
+    """A state leaf's spec when it is split over `n` replicas (ZeRO): its first dimension
+    divisible by `n` carries the replica axis (MaxText's rule); a leaf with none, a scalar, or
+    any leaf when `n` is 1, stays whole on every replica."""
+    if n > 1:
+        for dim, size in enumerate(shape):
+            if size >= n and size % n == 0:
+                return PartitionSpec(*([None] * dim), REPLICA_AXIS)
+    return REPLICATED
+
+
+def sharded(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
+    """The sharding of a state leaf split as `spec` over the replicas of `mesh`."""
+    return NamedSharding(mesh, spec)

@@ -24,7 +24,7 @@ from flax import nnx
 from mirrored._core import heartbeat, hooks
 from mirrored._core import mesh as _mesh
 from mirrored._core.leaves import is_hollow, is_key, raw_array
-from mirrored._core.mesh import is_per_replica_state
+from mirrored._core.mesh import is_per_replica_state, is_sharded_variable
 
 
 def is_chief() -> bool:
@@ -101,21 +101,25 @@ def state_arrays(objects: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every variable of the named NNX objects as a host array, keyed `name/path/to/var`."""
     flat: dict[str, Any] = {}
     for prefix, obj in objects.items():
-        flat.update(
-            {k: _saved_form(raw_array(v.get_value())) for k, v in _flat_state(prefix, obj).items()}
-        )
+        flat.update({k: _saved_form(v) for k, v in _flat_state(prefix, obj).items()})
     return {k: np.asarray(v) for k, v in jax.device_get(flat).items()}
 
 
-def _saved_form(value: Any) -> Any:
-    """What a checkpoint holds of a value: per-replica state (a row per replica: the Trainer's
-    local gradient sums) as the sum of its rows, like TensorFlow's SYNC_ON_READ SUM
-    variables, so it restores onto any replica count; anything else as it is."""
-    if not is_per_replica_state(value):
+def _saved_form(variable: Any) -> Any:
+    """What a checkpoint holds of a variable: per-replica state (a row per replica: the
+    Trainer's local gradient sums) as the sum of its rows, like TensorFlow's SYNC_ON_READ SUM
+    variables, so it restores onto any replica count; anything else (a ShardedOptimizer's
+    split state too) whole, as it is."""
+    value = raw_array(variable.get_value())
+    if not _per_replica(variable, value):
         return value
     return jax.jit(
         lambda rows: rows.sum(axis=0), out_shardings=_mesh.replicated(value.sharding.mesh)
     )(value)
+
+
+def _per_replica(variable: Any, value: Any) -> bool:
+    return is_per_replica_state(value) and not is_sharded_variable(variable)
 
 
 def _placed_rows(value: np.ndarray, current: jax.Array) -> jax.Array:
@@ -144,7 +148,7 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
                 missing.append(key)
                 continue
             current = raw_array(var.get_value())
-            expected = current.shape[1:] if is_per_replica_state(current) else current.shape
+            expected = current.shape[1:] if _per_replica(var, current) else current.shape
             if arrays[key].shape != expected:
                 wrong.append(f"{key!r}: target {expected}, checkpoint {arrays[key].shape}")
     if missing or wrong:
@@ -163,7 +167,7 @@ def load_state_arrays(objects: dict[str, Any], arrays: dict[str, np.ndarray], so
         state = None if _is_keras(obj) else nnx.state(obj)
         for key, var in flat[prefix].items():
             value, current = arrays[key], var.get_value()
-            if is_per_replica_state(current):
+            if _per_replica(var, current):
                 var.set_value(_placed_rows(value.astype(current.dtype), current))
             elif is_key(current):
                 data = jax.device_put(value.astype(np.uint32), current.sharding)

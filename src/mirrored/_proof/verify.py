@@ -20,7 +20,7 @@ from flax import nnx
 from mirrored._core import hooks
 from mirrored._core.capture import is_state
 from mirrored._core.leaves import is_hollow, is_key, raw_array
-from mirrored._core.mesh import is_per_replica_state
+from mirrored._core.mesh import is_per_replica_state, is_sharded_variable
 from mirrored._core.values import PerReplica, is_per_replica
 from mirrored._nnx import batch_norm
 from mirrored._proof.checks import (
@@ -146,7 +146,7 @@ def _processes_check(strategy: Any, args: Sequence[Any]) -> Check:
     variables = {
         name: var
         for name, var in _named_variables(args).items()
-        if not is_per_replica_state(var.get_raw_value())
+        if not (is_per_replica_state(var.get_raw_value()) or is_sharded_variable(var))
     }
     agreed = {name for name, var in variables.items() if runner.agreement.is_agreed(var)}
     check = check_processes({n: v.get_raw_value() for n, v in variables.items()}, agreed)
@@ -160,7 +160,11 @@ def _params(args: Sequence[Any]) -> dict[str, np.ndarray]:
 
 def _mirrored_arrays(args: Sequence[Any]) -> dict[str, jax.Array]:
     """The state that must be identical on every device (per-replica state left out)."""
-    return {k: v for k, v in _named_state(args).items() if not is_per_replica_state(v)}
+    return {
+        name: var.get_raw_value()
+        for name, var in _named_variables(args).items()
+        if not (is_per_replica_state(var.get_raw_value()) or is_sharded_variable(var))
+    }
 
 
 def _global_batch(args: Sequence[Any]) -> int | None:

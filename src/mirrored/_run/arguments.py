@@ -117,6 +117,8 @@ class _Sorted:
     statics: list[Any] = dataclasses.field(default_factory=list)
     # Slots of per-replica state (one row per replica, split over them; `is_per_replica`).
     local: list[int] = dataclasses.field(default_factory=list)
+    # Slots of a ShardedOptimizer's state split over the replicas, and their specs.
+    sharded: dict[int, Any] = dataclasses.field(default_factory=dict)
     # A padded batch among the inputs: its example mask (split) and real-example count.
     mask: jax.Array | None = None
     count: jax.Array | None = None
@@ -155,9 +157,11 @@ def sort_leaves(placement: Placement, leaves: list[Any], args: Any, kwargs: Any)
                     out.kinds.append(_STATIC)
                     continue
                 value = placement.mirror_host_value(leaf)
-            # Per-replica state (split over the replicas, a row each) or mirrored state.
-            local = value is not None and placement.is_per_replica(value)
-            if not local and (value is None or not placement.is_mirrored(value)):
+            # A ShardedOptimizer's leaf split as planned, per-replica state (split over the
+            # replicas, a row each) or mirrored state.
+            spec = None if value is None else placement.sharded_spec(leaf, value)
+            local = spec is None and value is not None and placement.is_per_replica(value)
+            if spec is None and not local and (value is None or not placement.is_mirrored(value)):
                 raise placement.argument_error(args, kwargs, leaf)
             slot = out.slots.setdefault(id(leaf), len(out.unique))
             if slot == len(out.unique):
@@ -165,6 +169,8 @@ def sort_leaves(placement: Placement, leaves: list[Any], args: Any, kwargs: Any)
                 out.state.append(value)
                 if local:
                     out.local.append(slot)
+                if spec is not None:
+                    out.sharded[slot] = spec
             out.kinds.append(_VARIABLE)
         elif kind == "p":
             placement.check_split(leaf)

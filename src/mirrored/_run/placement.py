@@ -11,7 +11,7 @@ from flax import nnx
 
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.leaves import type_kind as _type_kind
-from mirrored._core.mesh import is_per_replica_state
+from mirrored._core.mesh import REPLICATED, is_per_replica_state
 from mirrored._core.values import PerReplica
 
 
@@ -49,6 +49,17 @@ class Placement:
             ok = sharding.is_fully_replicated and sharding.device_set == self._devices
             self._sharding_ok[sharding] = ok
         return ok
+
+    def sharded_spec(self, variable: Any, x: Any) -> Any:
+        """The spec of a ShardedOptimizer's state leaf split over this strategy's replicas as
+        its plan says (the Variable's `sharded` metadata), else None."""
+        if not isinstance(variable, nnx.Variable) or not variable.has_metadata("sharded"):
+            return None
+        spec = variable.get_metadata("sharded")
+        sharding = x.sharding
+        if spec == REPLICATED or sharding.device_set != self._devices:
+            return None
+        return spec if getattr(sharding, "spec", None) == spec else None
 
     def is_per_replica(self, x: Any) -> bool:
         """Whether the jax.Array `x` is per-replica state: one row per replica, its leading
@@ -111,7 +122,11 @@ class Placement:
                 value = self.mirror_host_value(leaf)
             if not (
                 isinstance(value, jax.Array)
-                and (self.is_mirrored(value) or (variable and self.is_per_replica(value)))
+                and (
+                    self.is_mirrored(value)
+                    or (variable and self.is_per_replica(value))
+                    or (variable and self.sharded_spec(leaf, value) is not None)
+                )
             ):
                 raise self.not_mirrored_error(f"{label}{jax.tree_util.keystr(path)}", leaf)
 

@@ -21,7 +21,7 @@ from mirrored._core import hooks
 from mirrored._core.leaves import is_leaf
 from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
 from mirrored._nnx import batch_norm, metrics, optimizer, rnn
-from mirrored._run import callbacks, numerics, state_rules
+from mirrored._run import callbacks, deferred, numerics, state_rules
 from mirrored._run.arguments import (
     _CONSTANT,
     _MIRRORED,
@@ -127,7 +127,7 @@ def compile_step(
 
     def one_step(
         state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
-    ) -> tuple[list[Any], Any, Any]:
+    ) -> tuple[list[Any], Any, Any, list[Any]]:
         """One step of `fn` on this replica: the new state (mirrored again), the output,
         and under check_numerics the finite flags (of the batch, of the values)."""
         inner = rules.entering(state, n)
@@ -188,6 +188,8 @@ def compile_step(
         for slot, (variable, value) in enumerate(zip(unique, new_state, strict=True)):
             if slot in local:  # per-replica state: each replica keeps its own row
                 new_state[slot] = _context.as_varying(value)
+            elif slot in sorted_.sharded:  # a ShardedOptimizer's: each replica its shard
+                continue
             elif _context.is_varying(value):
                 raise _diverged_error(fn_name, args, kwargs, variable)
         if warn:  # the first of the two traces
@@ -205,7 +207,11 @@ def compile_step(
                 split, out, gradients, new_state, state_names, names
             )
             recorded["check"] = layout
-        return new_state, out, flags
+        # ShardedOptimizer updates: their gradients leave the step, whole, to be applied in
+        # the global view right after it (`deferred`).
+        records, grads = deferred.collect(ctx, fresh, fn_name) if ctx.deferred_updates else ([], [])
+        recorded["deferred"] = records
+        return new_state, out, flags, grads
 
     def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
         failed = None
@@ -216,7 +222,7 @@ def compile_step(
             mask, count = split[-1], rep[-1]
             split, rep = split[:-1], rep[:-1]
         if steps is None:
-            new_state, out, flags = one_step(
+            new_state, out, flags, grads = one_step(
                 state, split, rep, mask, count, expand is None and not quiet
             )
             if checking:  # a non-finite value on any replica: every replica keeps its state
@@ -227,9 +233,15 @@ def compile_step(
             def scan_step(carry: Any, xs: Any) -> tuple[Any, Any]:
                 state_k, failed = carry
                 split_k, mask_k, count_k = xs
-                new, out, flags = one_step(
+                new, out, flags, grads = one_step(
                     state_k, split_k, rep, mask_k, count_k, expand is None and not quiet
                 )
+                if grads:
+                    raise NotImplementedError(
+                        f"strategy.run_steps does not run a ShardedOptimizer's update yet "
+                        f"({fn_name!r} calls one). Fix: call strategy.run per step (Trainer: "
+                        "steps_per_execution=1), or use nnx.Optimizer."
+                    )
                 if checking:  # after a non-finite step, the state stays as before it
                     new, failed = numerics._unless_non_finite(flags, new, state_k, failed)
                 return (new, failed), (jax.tree.map(jnp.asarray, out), flags)
@@ -255,27 +267,40 @@ def compile_step(
         if checking:  # the flags, an extra last output, per replica; the latch
             outs.append(jnp.concatenate(flags, axis=-1)[None])
             new_state = [*new_state, failed]
-        return new_state, outs, jnp.zeros((), jnp.int32)
+        return new_state, outs, jnp.zeros((), jnp.int32), grads if steps is None else []
 
     unrolled = [False]  # run_steps' scan, unrolled (below: convolutions on CPU)
     # K steps: every split input carries the step on its leading axis, the batch on the next.
     split_spec = SPLIT if steps is None else PartitionSpec(None, REPLICA_AXIS)
 
     # Mirrored state enters whole; per-replica state (`sorted_.local`) as each replica's row.
+    # A ShardedOptimizer's state (`sorted_.sharded`) as each replica's shard.
     local = frozenset(sorted_.local)
+    slot_specs = [
+        SPLIT if i in local else sorted_.sharded.get(i, REPLICATED) for i in range(len(unique))
+    ]
     state_specs: Any = REPLICATED
-    if local:
-        state_specs = [SPLIT if i in local else REPLICATED for i in range(len(unique))]
-        state_specs += [REPLICATED] * checking  # the latch
+    if local or sorted_.sharded:
+        state_specs = [*slot_specs, *[REPLICATED] * checking]  # the latch
 
     def program(expand: Any, out_specs: Any) -> Any:
-        return jax.shard_map(
+        mapped = jax.shard_map(
             lambda s, d, r: body(s, d, r, expand=expand),
             mesh=target.mesh,
             in_specs=(state_specs, split_spec, REPLICATED),
-            out_specs=(state_specs, out_specs, REPLICATED),
+            out_specs=(state_specs, out_specs, REPLICATED, REPLICATED),
             check_vma=True,
         )
+
+        def step(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
+            new_state, outs, token, grads = mapped(state, split, rep)
+            if recorded.get("deferred"):  # ShardedOptimizer updates, in the global view
+                new_state = deferred.apply(
+                    recorded["deferred"], new_state, grads, slot_specs, target.mesh
+                )
+            return new_state, outs, token
+
+        return step
 
     def program_fields() -> dict[str, Any]:
         fields = {

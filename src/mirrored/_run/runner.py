@@ -165,6 +165,7 @@ class Runner:
             batch_norm.synchronizing(),
             numerics.check_numerics_enabled(),
             tuple(sorted_.local),
+            tuple(sorted_.sharded.items()),
         )
         # A step that evaluates a function of the whole batch: a program per real-row count.
         real_rows = self._real_rows(key[0], masked, sorted_.count)
@@ -215,6 +216,7 @@ class Runner:
             statics,
             masked,
             tuple(sorted_.local),
+            tuple(sorted_.sharded.items()),
         )
         real_rows = self._real_rows(key[2], masked, rep[-1] if masked else None)
         program = self._programs.get((*key, real_rows, checking))

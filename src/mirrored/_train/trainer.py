@@ -17,6 +17,7 @@ from mirrored._data.input import DistributedDataset
 from mirrored._optim import learning_rate as _learning_rate
 from mirrored._optim.accumulation import accumulate_by_examples
 from mirrored._optim.mixed_precision import LossScaleOptimizer, Policy, global_policy
+from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._run.errors import peer_failures
 from mirrored._strategy.strategy import Strategy, get_strategy
@@ -80,6 +81,10 @@ class Trainer(FitLoop, Evaluation):
             op, not compiled (`mirrored.config.run_functions_eagerly` for this trainer), for
             debugging with `print` and `breakpoint()` inside the loss or model; the same
             numbers, much slower.
+        shard_optimizer_state: split the optimizer state over the replicas
+            (`mirrored.ShardedOptimizer`, ZeRO stage 1): about 1/N of it per device, the
+            replicated run's numbers; with `steps_per_execution=1`, without float16 loss
+            scaling. `"gradients"` (ZeRO-2) is not available yet.
 
     Example:
         >>> with strategy.scope():
@@ -106,6 +111,7 @@ class Trainer(FitLoop, Evaluation):
         rngs: nnx.Rngs | None = None,
         steps_per_execution: int = 1,
         run_eagerly: bool = False,
+        shard_optimizer_state: bool | str = False,
     ) -> None:
         if not isinstance(run_eagerly, bool):
             raise TypeError(
@@ -178,6 +184,10 @@ class Trainer(FitLoop, Evaluation):
             self.optimizer = _build_optimizer(
                 model, optimizer, self.policy, global_clipnorm, gradient_accumulation_steps
             )
+            if shard_optimizer_state is not False or isinstance(self.optimizer, ShardedOptimizer):
+                self.optimizer = _sharded(
+                    self.optimizer, shard_optimizer_state, self, gradient_accumulation_steps
+                )
         self.strategy._check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(
             self.loss,
@@ -418,6 +428,40 @@ def _named_optimizer(optimizer: Any) -> Any:
         "Expected optimizer to be an Optax transformation (optax.adam(1e-3)), an "
         f"nnx.Optimizer, or a Keras optimizer name ('adam'); found {type(optimizer).__name__} "
         f"{optimizer!r}. Fix: e.g. Trainer(model, optax.adam(1e-3), ...)."
+    )
+
+
+def _sharded(optimizer: Any, shard: bool | str, trainer: Any, accumulation: int) -> Any:
+    """The Trainer's optimizer with its state split over the replicas (ZeRO-1)."""
+    if shard not in (False, True, "gradients"):
+        raise ValueError(
+            "Expected shard_optimizer_state to be False, True (the optimizer state split over "
+            f"the replicas) or 'gradients' (and the gradients); found {shard!r}. Fix: "
+            "shard_optimizer_state=True."
+        )
+    if trainer.steps_per_execution > 1:
+        raise NotImplementedError(
+            "A sharded optimizer state runs one step per program yet; found "
+            f"steps_per_execution={trainer.steps_per_execution}. Fix: steps_per_execution=1, "
+            "or keep the optimizer state mirrored."
+        )
+    if accumulation > 1:
+        raise NotImplementedError(
+            "A sharded optimizer state does not accumulate gradients yet (each replica keeps "
+            "its own sums until the update); found gradient_accumulation_steps="
+            f"{accumulation}. Fix: gradient_accumulation_steps=1, or optax.MultiSteps(tx, k), "
+            "which a ShardedOptimizer runs."
+        )
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer
+    if not isinstance(optimizer, nnx.Optimizer) or type(optimizer) is not nnx.Optimizer:
+        raise NotImplementedError(
+            "shard_optimizer_state does not wrap a "
+            f"{type(optimizer).__name__} yet (float16 loss scaling); found one. Fix: keep "
+            "the optimizer state mirrored with mixed_float16, or use mixed_bfloat16."
+        )
+    return ShardedOptimizer(
+        trainer.model, optimizer.tx, wrt=optimizer.wrt, shard_gradients=shard == "gradients"
     )
 
 
