@@ -148,3 +148,35 @@ def test_what_it_does_not_do_yet_is_a_clear_error(devices):
     iterator = iter(strategy.experimental_distribute_dataset((X, Y), batch_size=16))
     with pytest.raises(NotImplementedError, match="run_steps does not run a ShardedOptimizer"):
         strategy.run_steps(train_step, iterator, steps=2, args=(model, optimizer))
+
+
+def test_the_doctor_shows_memory_per_device_and_what_sharding_saves(devices):
+    """verify's "Memory per device": the split state at about 1/8 (PASS), a mirrored one with
+    what splitting would save (INFO), and a ShardedOptimizer whose state was placed whole
+    again (FAIL: the silent no-op)."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        split = mirrored.ShardedOptimizer(model, optax.adam(1e-2))
+        whole = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ((x, y),) = strategy.experimental_distribute_dataset([(X[:16], Y[:16])])
+
+    def memory(optimizer):
+        report = mirrored.verify(strategy, train_step, (model, optimizer, x, y))
+        return report["Memory per device"], report
+
+    check, report = memory(split)
+    assert check.status == "PASS", check.summary
+    state = check.data["optimizer state"]
+    assert state["replicated"] == 2 * 581 * 4 + 4
+    assert state["now"] == 2 * (581 - 5) * 4 // 8 + 2 * 5 * 4 + 4
+    # out.bias's two moments (5 floats each) and Adam's count.
+    assert "44 B in 3 leaves not divisible by 8 stay whole" in check.summary
+    assert check.data["collectives"]["all-gather"] >= 1, check.data
+    assert report["Replicas in sync"].status == "PASS"
+    check, _ = memory(whole)
+    assert check.status == "INFO" and "mirrored.ShardedOptimizer would hold" in check.summary
+    for variable in jax.tree.leaves(split.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        variable.set_raw_value(jax.device_put(variable.get_raw_value(), strategy._replicated))
+    check, _ = memory(split)
+    assert check.status == "FAIL" and "still whole on every device" in check.summary

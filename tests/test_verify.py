@@ -213,4 +213,5 @@ def test_doctor_checks_a_users_step(tmp_path):
     assert result.returncode == 1
     assert "4.0× too large" in result.stdout
     missing = _doctor("--step", f"{tmp_path}/nope.py:make")
-    assert missing.returncode == 2 and "Expected a Python file" in missing.stderr
+    assert missing.returncode == 2
+    assert "expected --step's FILE to be a Python file" in missing.stderr

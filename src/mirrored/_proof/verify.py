@@ -20,7 +20,7 @@ from flax import nnx
 from mirrored._core import hooks
 from mirrored._core.capture import is_state
 from mirrored._core.leaves import is_hollow, is_key, raw_array
-from mirrored._core.mesh import is_per_replica_state, is_sharded_variable
+from mirrored._core.mesh import is_per_replica_state, is_sharded_variable, sharded
 from mirrored._core.values import PerReplica, is_per_replica
 from mirrored._nnx import batch_norm
 from mirrored._proof.checks import (
@@ -37,6 +37,7 @@ from mirrored._proof.checks import (
     check_scaling,
     gpus_visible_to_system,
 )
+from mirrored._proof.memory import check_memory
 from mirrored._proof.processes import check_processes, check_stragglers, global_host_value
 from mirrored._run.errors import ReplicaDivergenceError
 
@@ -53,7 +54,15 @@ def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) 
             )
         return place(np.asarray(a))
 
-    state = jax.tree.map(copy, state)
+    def copy_variable(var: Any) -> Any:
+        if not isinstance(var, nnx.Variable):
+            return jax.tree.map(copy, var)
+        if is_sharded_variable(var) and strategy.num_replicas_in_sync > 1:  # keeps its split
+            layout = sharded(strategy._mesh, var.get_metadata("sharded"))
+            return var.replace(jax.device_put(np.asarray(var.get_raw_value()), layout))
+        return jax.tree.map(copy, var)
+
+    state = jax.tree.map(copy_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     copies = list(args)
     for i, obj in zip(positions, nnx.merge(graphdef, state), strict=True):  # type: ignore[arg-type]
         copies[i] = obj
@@ -246,7 +255,11 @@ def verify(
     replicated = strategy._replicated
     copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
     try:
-        checks.append(check_collectives(strategy._compiled_text(step_fn, copies, {}), n))
+        hlo_text = strategy._compiled_text(step_fn, copies, {})
+        checks.append(check_collectives(hlo_text, n))
+        memory = check_memory(args, hlo_text, n)  # the caller's layout, not the copies'
+        if memory is not None:
+            checks.append(memory)
     except ReplicaDivergenceError as error:
         # Mirrored state computed from replica-local data: nothing synchronises the replicas.
         checks.append(check_collectives("", n))

@@ -284,6 +284,28 @@ def _select(failed: Any, old: Any, new: Any) -> Any:
     return jnp.where(failed, old, new)
 
 
+def first_non_finite(pending: Any, keep: int) -> NonFiniteError | None:
+    """Look at the finite flags of all but the newest `keep` of the `pending` checked steps
+    ((program, flags, first step), oldest first): the error of the first step whose values
+    were not all finite (the queue then emptied), or None."""
+    while len(pending) > keep:
+        program, flags, first = pending.popleft()
+        found = np.asarray(flags)  # waits for this step unless the dispatch bound did
+        if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, _)
+            found = found[:, None, :]
+        inputs = found[:, :, : len(program.check_inputs)]
+        values = found[:, :, len(program.check_inputs) :]
+        good = values.all(axis=(0, 2))
+        if good.all():
+            continue
+        k = int(np.argmin(good))
+        # The steps dispatched after it changed nothing (the latch).
+        later = sum(p.steps for p, _, _ in pending) + found.shape[1] - k - 1
+        pending.clear()
+        return _non_finite_error(program, first + k, ~values[:, k], ~inputs[:, k], later)
+    return None
+
+
 def _non_finite_error(
     program: CheckedProgram, step: int, bad: np.ndarray, bad_batch: np.ndarray, later: int
 ) -> NonFiniteError:

@@ -395,25 +395,10 @@ class Runner:
     def check_pending(self, keep: int = 0) -> None:
         """Look at the finite flags of all but the newest `keep` checked steps; raise
         `NonFiniteError` for the first step whose values were not all finite."""
-        while len(self._pending) > keep:
-            program, flags, first = self._pending.popleft()
-            found = np.asarray(flags)  # waits for this step unless the dispatch bound did
-            if found.ndim == 2:  # one step: (replicas, flags); run_steps: (replicas, steps, _)
-                found = found[:, None, :]
-            inputs = found[:, :, : len(program.check_inputs)]
-            values = found[:, :, len(program.check_inputs) :]
-            good = values.all(axis=(0, 2))
-            if good.all():
-                continue
-            k = int(np.argmin(good))
-            # The steps dispatched after it changed nothing (the latch); from now on they
-            # train again, from the state before the failed step.
-            later = sum(p.steps for p, _, _ in self._pending) + found.shape[1] - k - 1
-            self._pending.clear()
+        error = numerics.first_non_finite(self._pending, keep)
+        if error is not None:  # from now on the steps train again, from before that step
             self._failed = None
-            raise numerics._non_finite_error(
-                program, first + k, ~values[:, k], ~inputs[:, k], later
-            )
+            raise error
 
     def count_steps(self, program: Program) -> int:
         """Count a call's steps of its step function; returns the number of its first."""
