@@ -1,13 +1,15 @@
 """The hang watchdog (issue 37): a stalled process is named, with where every process waits,
 and the whole job exits with code 44 within seconds, never a silent hang or SIGABRT.
 
-Real processes on 127.0.0.1 under `timeout -k`, hang_timeout=20 (one process: 5), and the
-verdict's sentence from made-up reports."""
+Real processes on 127.0.0.1 under `timeout -k`, hang_timeout=20 (one process: 5), all jobs
+started together and then checked one by one; and the verdict's sentence from made-up
+reports."""
 
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,25 +23,82 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "_hang_script.py")
 
 
-def _run(out, *extra, processes=2, launcher=(), limit=150):
-    if processes:
-        command = [sys.executable, "-m", "mirrored.cli", "launch", "-n", str(processes)]
-        command += ["--devices-per-process", "2", "--grace", "10", *launcher]
-        command += [SCRIPT, str(out), "--workers", *extra]
-    else:
-        command = [sys.executable, SCRIPT, str(out), *extra]
-    env = {**subprocess_env(), "PYTHONPATH": str(HERE), "PYTHONUNBUFFERED": "1"}
-    run = subprocess.run(
-        ["timeout", "-k", "10", str(limit), *command],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=HERE,
-    )
-    ended = time.time()
-    text = run.stdout + run.stderr
-    stalled = re.search(r"(?:stalls in .*?|skips step \d+) at (\d+\.\d+)", text)
-    return run.returncode, text, ended - float(stalled[1]) if stalled else None
+class _Job:
+    """One run of _hang_script.py (under `mirrored launch` unless `processes=0`), started at
+    once and waited for by a thread: the jobs of this file sleep through their stalls
+    together (a minute in all, not five in a row)."""
+
+    def __init__(self, out, *extra, processes=2, launcher=(), limit=150):
+        if processes:
+            command = [sys.executable, "-m", "mirrored.cli", "launch", "-n", str(processes)]
+            command += ["--devices-per-process", "2", "--grace", "10", *launcher]
+            command += [SCRIPT, str(out), "--workers", *extra]
+        else:
+            command = [sys.executable, SCRIPT, str(out), *extra]
+        env = {**subprocess_env(), "PYTHONPATH": str(HERE), "PYTHONUNBUFFERED": "1"}
+        self.out = out
+        self._process = subprocess.Popen(
+            ["timeout", "-k", "10", str(limit), *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=HERE,
+        )
+        self._done: list = []
+        self._waiter = threading.Thread(target=self._wait, daemon=True)
+        self._waiter.start()
+
+    def _wait(self):
+        text = self._process.communicate()[0]
+        self._done.append((self._process.returncode, text, time.time()))
+
+    def result(self):
+        """(exit code, output, seconds from the stall to the last exit or None)."""
+        self._waiter.join(200)
+        code, text, ended = self._done[0]
+        stalled = re.search(r"(?:stalls in .*?|skips step \d+) at (\d+\.\d+)", text)
+        return code, text, ended - float(stalled[1]) if stalled else None
+
+
+JOBS = {
+    "input": (["--stall-rank", "1", "--how", "input", "--hang-timeout", "20"], {}),
+    "step": (["--stall-rank", "1", "--how", "step", "--hang-timeout", "20"], {}),
+    "skip": (["--stall-rank", "1", "--how", "skip", "--hang-timeout", "20"], {}),
+    "chief": (
+        ["--stall-rank", "0", "--how", "input", "--hang-timeout", "20", "--stall-once"],
+        {"launcher": ("--max-restarts", "1")},
+    ),
+    "timeout": (["--stall-rank", "1", "--how", "input"], {}),
+    "slow": (
+        [
+            "--stall-rank",
+            "1",
+            "--how",
+            "slow",
+            "--slow",
+            "2",
+            "--steps",
+            "5",
+            "--hang-timeout",
+            "4",
+        ],
+        {},
+    ),
+    "alone-input": (
+        ["--stall-rank", "0", "--how", "input", "--hang-timeout", "5"],
+        {"processes": 0},
+    ),
+    "alone-step": (["--stall-rank", "0", "--how", "step", "--hang-timeout", "5"], {"processes": 0}),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return {
+        name: _Job(tmp_path_factory.mktemp(name), *extra, **options)
+        for name, (extra, options) in JOBS.items()
+    }
 
 
 def _none_left(out):
@@ -59,26 +118,26 @@ def _verdict(text):
 
 HUNG = [
     (
-        ["--stall-rank", "1", "--how", "input"],
+        "input",
         "process 1 (worker 1) stopped after step 3, in its input (",
         "process 0 (worker 0) waits in the all-reduce of step 4 (train_step at ",
     ),
     (
-        ["--stall-rank", "1", "--how", "step"],
+        "step",
         "process 1 (worker 1) is stuck inside a step: a host callback has not returned (",
         "process 0 (worker 0) waits in the all-reduce of step 4 (step_with_callback at ",
     ),
     (
-        ["--stall-rank", "1", "--how", "skip"],
+        "skip",
         "process 1 (worker 1) dispatched 7 steps and the others 8: it skipped a step",
         "process 0 (worker 0) waits in the all-reduce of step 8 (train_step at ",
     ),
 ]
 
 
-@pytest.mark.parametrize(("extra", "behind", "waiting"), HUNG, ids=["input", "step", "skip"])
-def test_a_stalled_worker_is_named_and_every_process_exits_44(tmp_path, extra, behind, waiting):
-    code, text, took = _run(tmp_path, *extra, "--hang-timeout", "20")
+@pytest.mark.parametrize(("job", "behind", "waiting"), HUNG, ids=["input", "step", "skip"])
+def test_a_stalled_worker_is_named_and_every_process_exits_44(jobs, job, behind, waiting):
+    code, text, took = jobs[job].result()
     assert code == 44, text[-4000:]
     line = _verdict(text)
     assert behind in line and waiting in line, line
@@ -89,14 +148,14 @@ def test_a_stalled_worker_is_named_and_every_process_exits_44(tmp_path, extra, b
     assert "process 0 done" not in text  # (process 1 that skipped a step reaches its end)
     assert took is not None and took < 60, (took, text[-2000:])
     print(f"stall to the last exit: {took:.1f} s")  # the closing note's numbers (-s)
-    _none_left(tmp_path)
+    _none_left(jobs[job].out)
 
 
-def test_a_collective_that_times_out_names_the_stalled_worker_at_once(tmp_path):
+def test_a_collective_that_times_out_names_the_stalled_worker_at_once(jobs):
     """With the default hang_timeout (300 s), gloo's 30 s collective timeout on CPU comes first:
     it asks the watchdog for its verdict instead of ending with a raw "Timed out" naming no
     process."""
-    code, text, took = _run(tmp_path, "--stall-rank", "1", "--how", "input")
+    code, text, took = jobs["timeout"].result()
     assert code == 44, text[-4000:]
     line = _verdict(text)
     assert "(a collective timed out; hang_timeout=300 s)" in line, line
@@ -104,23 +163,13 @@ def test_a_collective_that_times_out_names_the_stalled_worker_at_once(tmp_path):
     assert "process 0 (worker 0) waits in the all-reduce of step 4" in line, line
     assert "Abort" not in text and "exits with code 43" not in text
     assert took is not None and took < 60, took
-    _none_left(tmp_path)
+    _none_left(jobs["timeout"].out)
 
 
-def test_a_stalled_chief_is_named_and_the_launcher_restarts_the_job(tmp_path):
+def test_a_stalled_chief_is_named_and_the_launcher_restarts_the_job(jobs):
     """The chief stalls in its input (it hosts the coordination service: it leaves last);
     with --max-restarts 1 the launcher prints the verdict and starts the job again."""
-    code, text, _ = _run(
-        tmp_path,
-        "--stall-rank",
-        "0",
-        "--how",
-        "input",
-        "--hang-timeout",
-        "20",
-        "--stall-once",
-        launcher=("--max-restarts", "1"),
-    )
+    code, text, _ = jobs["chief"].result()
     assert code == 0, text[-4000:]
     line = _verdict(text)
     assert "process 0 (worker 0) stopped after step 3, in its input (" in line, line
@@ -129,44 +178,30 @@ def test_a_stalled_chief_is_named_and_the_launcher_restarts_the_job(tmp_path):
         r"worker \d was stopped by the hang watchdog \(exit code 44\); restarting", text
     )
     assert text.count("done, loss") == 2  # the restart ran to the end
-    _none_left(tmp_path)
+    _none_left(jobs["chief"].out)
 
 
-def test_a_slow_but_progressing_worker_is_never_a_hang(tmp_path):
-    """Worker 1 takes 2 s per step with hang_timeout=3: the job is slow, not hung."""
-    code, text, _ = _run(
-        tmp_path,
-        "--stall-rank",
-        "1",
-        "--how",
-        "slow",
-        "--slow",
-        "2",
-        "--steps",
-        "5",
-        "--hang-timeout",
-        "3",
-    )
+def test_a_slow_but_progressing_worker_is_never_a_hang(jobs):
+    """Worker 1 takes 2 s per step with hang_timeout=4: the job is slow, not hung."""
+    code, text, _ = jobs["slow"].result()
     assert code == 0, text[-4000:]
     assert "HangError" not in text and text.count("done, loss") == 2
 
 
 @pytest.mark.parametrize(
-    ("how", "behind"),
+    ("job", "behind"),
     [
-        ("input", "this process: process 0 (worker 0) stopped after step 3, in its input ("),
-        ("step", "this process: process 0 (worker 0) is stuck inside a step: a host callback"),
+        ("alone-input", "this process: process 0 (worker 0) stopped after step 3, in its input ("),
+        ("alone-step", "this process: process 0 (worker 0) is stuck inside a step: a host"),
     ],
 )
-def test_one_process_with_a_timeout_reports_its_own_stall(tmp_path, how, behind):
-    code, text, took = _run(
-        tmp_path, "--stall-rank", "0", "--how", how, "--hang-timeout", "5", processes=0
-    )
+def test_one_process_with_a_timeout_reports_its_own_stall(jobs, job, behind):
+    code, text, took = jobs[job].result()
     assert code == 44, text[-4000:]
     assert behind in text, text[-4000:]
     assert "every thread's stack follows" in text and "Thread 0x" in text
     assert took is not None and took < 30, took
-    _none_left(tmp_path)
+    _none_left(jobs[job].out)
 
 
 def _report(steps, phase, *, in_jax=False, callback="", fn="train_step at t.py:1"):

@@ -148,6 +148,13 @@ def test_what_it_does_not_do_yet_is_a_clear_error(devices):
     iterator = iter(strategy.experimental_distribute_dataset((X, Y), batch_size=16))
     with pytest.raises(NotImplementedError, match="run_steps does not run a ShardedOptimizer"):
         strategy.run_steps(train_step, iterator, steps=2, args=(model, optimizer))
+    x, y = next(iterator)
+    mirrored.debug.enable_check_numerics()
+    try:
+        with pytest.raises(NotImplementedError, match="check_numerics .* ShardedOptimizer"):
+            strategy.run(train_step, args=(model, optimizer, x, y))
+    finally:
+        mirrored.debug.disable_check_numerics()
 
 
 def test_the_doctor_shows_memory_per_device_and_what_sharding_saves(devices):

@@ -182,6 +182,7 @@ def test_doctor_cli_json_plot_and_exit_codes(tmp_path):
     assert report["ok"] and [c["name"] for c in report["checks"]] == [
         "Devices",
         "Collectives",
+        "Memory per device",
         "Replicas in sync",
         "Single-device equivalence",
         "Scaling",

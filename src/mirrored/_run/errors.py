@@ -132,16 +132,22 @@ HANG_VERDICT: list[str] = []  # the watchdog's verdict, once it has concluded
 
 
 def _stalled_peer(error: BaseException) -> str:
-    """For a collective that timed out while every process lives: the hang watchdog's verdict
-    (it names the stalled process and ends this one), else ""."""
-    if not _HANG_DIAGNOSIS or "imed out" not in str(error) or _dead_processes():
+    """For a collective that failed while a hang is declared, or timed out while every
+    process lives: the hang watchdog's verdict (it names the stalled process and ends this
+    one), else ""."""
+    if not _HANG_DIAGNOSIS:
         return ""
-    return str(_HANG_DIAGNOSIS[0]())
+    diagnose, declared = _HANG_DIAGNOSIS[0]
+    if declared():
+        return str(diagnose(False))
+    if "imed out" not in str(error) or _dead_processes():
+        return ""
+    return str(diagnose(True))
 
 
-def register_hang_diagnosis(diagnose: Any) -> None:
-    """A collective that timed out asks the hang watchdog (if any) for its verdict."""
-    _HANG_DIAGNOSIS[:] = [diagnose]
+def register_hang_diagnosis(diagnose: Any, declared: Any) -> None:
+    """A collective that fails asks the hang watchdog (if any) for its verdict."""
+    _HANG_DIAGNOSIS[:] = [(diagnose, declared)]
 
 
 FAILURE_KEY = "mirrored/failure"  # the first process to fail says why, in JAX's key-value store

@@ -331,7 +331,7 @@ class Watchdog:
         reports = self._reports()
         missing = [r for r in range(self.processes) if r not in reports]
         dead = [r for r in _dead_processes() if r in missing] if missing else []
-        timed_out = self._declared.is_set() or self._timed_out_elsewhere()
+        timed_out = self._timed_out_elsewhere()
         message = verdict(reports, self.processes, stalled_s, self.timeout_s, dead, timed_out)
         self._message = message
         HANG_VERDICT.append(message)
@@ -368,16 +368,18 @@ class Watchdog:
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{_ACKS}{self.rank}", "1", True)
+            # Nobody leaves before every process has its verdict: a peer's exit would reach
+            # one still concluding as a failed collective instead.
+            deadline = time.monotonic() + REPORT_WAIT_S
+            while time.monotonic() < deadline:
+                acks: list[Any] = []
+                with contextlib.suppress(Exception):
+                    acks = self.client.key_value_dir_get(_ACKS)
+                if len(acks) >= self.processes:
+                    break
+                time.sleep(0.1)
             if self.rank == 0:
-                deadline = time.monotonic() + REPORT_WAIT_S
-                while time.monotonic() < deadline:
-                    acks: list[Any] = []
-                    with contextlib.suppress(Exception):
-                        acks = self.client.key_value_dir_get(_ACKS)
-                    if len(acks) >= self.processes:
-                        break
-                    time.sleep(0.1)
-                time.sleep(MAIN_GRACE_S + 0.5)  # they are gone by now
+                time.sleep(MAIN_GRACE_S + 0.5)  # the others are gone by now
         self._released.set()
         main = threading.main_thread()
         waits = self._declared.is_set()  # in diagnose_now: it raises the HangError itself
@@ -389,12 +391,12 @@ class Watchdog:
 
     # -- a collective that timed out -----------------------------------------------------------
 
-    def diagnose_now(self) -> str:
-        """A collective timed out (gloo's timeout, on CPU): the verdict now instead of at
-        hang_timeout, returned to the caller, which raises it; the watchdog then ends the
-        process, the chief last."""
+    def diagnose_now(self, timed_out: bool) -> str:
+        """A collective failed while a hang is declared, or timed out (gloo's timeout, on
+        CPU): the verdict now instead of at hang_timeout, returned to the caller, which
+        raises it; the watchdog then ends the process, the chief last."""
         _heartbeat.BEAT.phase = "step"  # it waited in the step's collective
-        if self.client is not None:  # before the event: the watchdog's own declaration
+        if self.client is not None and timed_out:  # before the event: the first declaration
             with contextlib.suppress(Exception):
                 self.client.key_value_set(_DECLARED, f"{self.rank} timeout")
         self._declared.set()
@@ -442,7 +444,7 @@ def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
     ):
         signal.signal(_SIGNAL, _raise_hang)
         _HANDLER_INSTALLED = True
-    register_hang_diagnosis(watchdog.diagnose_now)
+    register_hang_diagnosis(watchdog.diagnose_now, watchdog._someone_declared)
     atexit.register(_script_ended)  # runs before JAX's shutdown barrier (registered earlier)
     watchdog.thread.start()
     logger.info("Hang watchdog: a stall of %g s is reported and ends the job.", timeout_s)

@@ -295,6 +295,12 @@ def compile_step(
         def step(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
             new_state, outs, token, grads = mapped(state, split, rep)
             if recorded.get("deferred"):  # ShardedOptimizer updates, in the global view
+                if checking:
+                    raise NotImplementedError(
+                        "check_numerics (and TerminateOnNaN) do not check a ShardedOptimizer's "
+                        f"update yet ({fn_name!r} makes one). Fix: debug with nnx.Optimizer "
+                        "(the same numbers), or turn the check off."
+                    )
                 new_state = deferred.apply(
                     recorded["deferred"], new_state, grads, slot_specs, target.mesh
                 )
