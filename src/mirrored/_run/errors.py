@@ -132,9 +132,10 @@ HANG_VERDICT: list[str] = []  # the watchdog's verdict, once it has concluded
 
 
 def _stalled_peer(error: BaseException) -> str:
-    """For a collective that failed while a hang is declared, or timed out while every
-    process lives: the hang watchdog's verdict (it names the stalled process and ends this
-    one), else ""."""
+    """For a collective that failed while this process' watchdog concludes a hang, or timed
+    out while every process lives: the hang watchdog's verdict (it names the stalled process
+    and ends this one), else "". A dead peer costs no call to the coordination service here
+    (with process 0 dead, JAX's client aborts the process while such a call waits)."""
     if not _HANG_DIAGNOSIS:
         return ""
     diagnose, declared = _HANG_DIAGNOSIS[0]

@@ -244,6 +244,7 @@ class Watchdog:
         self.client = coordination_client() if self.processes > 1 else None
         self._stop = threading.Event()
         self._declared = threading.Event()  # this process asks for the verdict now
+        self.concluding = threading.Event()  # this watchdog is at its verdict (local: no RPC)
         self._concluded = threading.Event()  # the verdict is out (HANG_VERDICT)
         self._released = threading.Event()  # this process may end (the chief: the others did)
         self._message = ""
@@ -328,6 +329,7 @@ class Watchdog:
         return reports
 
     def _conclude(self, stalled_s: float) -> None:
+        self.concluding.set()
         reports = self._reports()
         missing = [r for r in range(self.processes) if r not in reports]
         dead = [r for r in _dead_processes() if r in missing] if missing else []
@@ -444,7 +446,7 @@ def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
     ):
         signal.signal(_SIGNAL, _raise_hang)
         _HANDLER_INSTALLED = True
-    register_hang_diagnosis(watchdog.diagnose_now, watchdog._someone_declared)
+    register_hang_diagnosis(watchdog.diagnose_now, watchdog.concluding.is_set)
     atexit.register(_script_ended)  # runs before JAX's shutdown barrier (registered earlier)
     watchdog.thread.start()
     logger.info("Hang watchdog: a stall of %g s is reported and ends the job.", timeout_s)
