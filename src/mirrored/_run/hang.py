@@ -241,7 +241,6 @@ class Watchdog:
         self.interval_s = min(1.0, timeout_s / 10)
         self.rank = jax.process_index()
         self.processes = jax.process_count()
-        self.client = coordination_client() if self.processes > 1 else None
         self._stop = threading.Event()
         self._declared = threading.Event()  # this process asks for the verdict now
         self.concluding = threading.Event()  # this watchdog is at its verdict (local: no RPC)
@@ -251,6 +250,12 @@ class Watchdog:
         self._published: tuple[int, str] | None = None
         self.thread = threading.Thread(target=self._watch, name="mirrored-hang-watchdog")
         self.thread.daemon = True
+
+    @property
+    def client(self) -> Any:
+        """jax.distributed's client, read afresh: None once JAX shut it down at exit (a call
+        in flight as the interpreter finalizes would abort the process)."""
+        return coordination_client() if self.processes > 1 else None
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -295,6 +300,8 @@ class Watchdog:
         last: dict[int, int] = {}
         since = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            if self.processes > 1 and self.client is None:  # the runtime has shut down
+                return
             beats = self._beats()
             now = time.monotonic()
             counts = {rank: count for rank, (count, _) in beats.items()}
