@@ -276,25 +276,18 @@ class Watchdog:
                 found.setdefault(int(key.rsplit("/", 1)[-1]), (int(beats), phase))
         return found
 
-    def _timed_out_elsewhere(self) -> bool:
-        """Whether the hang was declared early, by a collective's timeout in some process."""
+    def _declaration(self) -> str | None:
+        """The published declaration of a hang ("RANK", or "RANK timeout" when a collective
+        timed out), or None when there is none (or no service to ask)."""
         if self.client is None:
-            return False
+            return None
         try:
-            return str(self.client.key_value_try_get(_DECLARED)).endswith(" timeout")
-        except Exception:
-            return False
+            return str(self.client.key_value_try_get(_DECLARED))
+        except Exception:  # not there (or the service is gone)
+            return None
 
     def _someone_declared(self) -> bool:
-        if self._declared.is_set():
-            return True
-        if self.client is None:
-            return False
-        try:
-            self.client.key_value_try_get(_DECLARED)
-        except Exception:  # not there (or the service is gone)
-            return False
-        return True
+        return self._declared.is_set() or self._declaration() is not None
 
     def _watch(self) -> None:
         last: dict[int, int] = {}
@@ -340,7 +333,7 @@ class Watchdog:
         reports = self._reports()
         missing = [r for r in range(self.processes) if r not in reports]
         dead = [r for r in _dead_processes() if r in missing] if missing else []
-        timed_out = self._timed_out_elsewhere()
+        timed_out = (self._declaration() or "").endswith(" timeout")
         message = verdict(reports, self.processes, stalled_s, self.timeout_s, dead, timed_out)
         self._message = message
         HANG_VERDICT.append(message)
