@@ -1,5 +1,7 @@
 """Input distribution: every source, exact ragged batches, prefetch, InputContext."""
 
+import subprocess
+import sys
 import threading
 
 import grain
@@ -15,6 +17,7 @@ from _helpers import (
     SmallMLP,
     max_relative_difference,
     params_of,
+    subprocess_env,
     train_single_device,
     train_step,
 )
@@ -268,6 +271,35 @@ def test_prefetch_runs_ahead_on_a_background_thread(strategy):
             break
         threading.Event().wait(0.01)
     assert produced == ["mirrored-prefetch"] * 4
+
+
+_BREAK_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np
+import mirrored
+
+strategy = mirrored.MirroredStrategy()
+options = mirrored.InputOptions(experimental_per_replica_buffer_size=100_000)
+x = np.ones((20_000, 256), np.float32)
+for (batch,) in strategy.experimental_distribute_dataset((x,), options, batch_size=8):
+    break  # the prefetch thread goes on placing batches as the script ends
+print("done")
+"""
+
+
+def test_a_loop_that_breaks_early_lets_the_script_exit_cleanly():
+    """Python 3.11/3.12 end a daemon thread that is inside a C++ call (a device_put) at exit
+    by unwinding it, which aborted the finished script (134, "FATAL: exception not
+    rethrown"); mirrored stops and joins its threads first."""
+    result = subprocess.run(
+        [sys.executable, "-c", _BREAK_SCRIPT],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, "done"), result.stderr[-2000:]
 
 
 def test_a_bad_batch_midway_raises_in_order(strategy):

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from mirrored._core import background
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._run.errors import coordination_client
 
@@ -109,12 +110,7 @@ class TerminationNotice:
         self._previous: Any = None
         self.received_at: float | None = None  # when this process got the notice (one process)
         if watcher_fn is not None:
-            threading.Thread(
-                target=self._watch,
-                args=(watcher_fn,),
-                name="mirrored-termination-watcher",
-                daemon=True,
-            ).start()
+            background.start(self._watch, "mirrored-termination-watcher", self._stop, (watcher_fn,))
         elif not self._several:  # jax.distributed's notifier catches SIGTERM otherwise
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError(
@@ -193,8 +189,9 @@ class GraceCountdown:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._longest = 0.0
+        self._stop = threading.Event()
         if jax.process_count() > 1:
-            threading.Thread(target=self._agree, name="mirrored-grace", daemon=True).start()
+            background.start(self._agree, "mirrored-grace", self._stop)
 
     def reached(self, step: int) -> bool:
         """Whether every process saves its final checkpoint at `step` (call before each step)."""
@@ -222,12 +219,13 @@ class GraceCountdown:
                 client.key_value_try_get(_GRACE_NOTICE)
                 break
             except Exception:  # not yet
-                time.sleep(0.05)
+                if self._stop.wait(0.05):  # the interpreter exits
+                    return
         with self._lock:
             client.key_value_set(f"{_GRACE_STEPS}{rank}", str(self._current))
             stop = time.monotonic() + AGREE_TIMEOUT_S
             steps: list[tuple[str, str]] = []
-            while time.monotonic() < stop:
+            while time.monotonic() < stop and not self._stop.is_set():
                 steps = client.key_value_dir_get(_GRACE_STEPS)
                 if len(steps) == count:
                     self._agreed = max(int(value) for _, value in steps) + 1

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
+from mirrored._core import background
+
 T = TypeVar("T")
 
 _END = object()
@@ -30,10 +32,7 @@ class Prefetcher(Generic[T]):
         self._stop = threading.Event()
         self._done = False
         self.starved_s = 0.0  # time the consumer waited on an empty buffer: input too slow
-        self._thread = threading.Thread(
-            target=self._work, args=(items,), name="mirrored-prefetch", daemon=True
-        )
-        self._thread.start()
+        self._thread = background.start(self._work, "mirrored-prefetch", self._stop, (items,))
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from mirrored._core import background
 from mirrored._core import context as _context
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._nnx import metrics
@@ -328,13 +329,9 @@ def exit_cleanly_on_peer_failure() -> None:
     previous = sys.excepthook
     if getattr(previous, "_mirrored_peer_failure", False):
         return
-    threading.Thread(
-        target=_watch_for_peer_failures,
-        args=(_STOP_WATCHING,),
-        name="mirrored-peer-failures",
-        daemon=True,
-    ).start()
-    atexit.register(_STOP_WATCHING.set)
+    background.start(
+        _watch_for_peer_failures, "mirrored-peer-failures", _STOP_WATCHING, (_STOP_WATCHING,)
+    )
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)

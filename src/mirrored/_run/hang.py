@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 
+from mirrored._core import background
 from mirrored._core import heartbeat as _heartbeat
 from mirrored._run.errors import (
     HANG_EXIT_CODE,
@@ -241,15 +242,13 @@ class Watchdog:
         self.interval_s = min(1.0, timeout_s / 10)
         self.rank = jax.process_index()
         self.processes = jax.process_count()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by background.stop_all at exit
         self._declared = threading.Event()  # this process asks for the verdict now
         self.concluding = threading.Event()  # this watchdog is at its verdict (local: no RPC)
         self._concluded = threading.Event()  # the verdict is out (HANG_VERDICT)
         self._released = threading.Event()  # this process may end (the chief: the others did)
         self._message = ""
         self._published: tuple[int, str] | None = None
-        self.thread = threading.Thread(target=self._watch, name="mirrored-hang-watchdog")
-        self.thread.daemon = True
 
     @property
     def client(self) -> Any:
@@ -448,6 +447,6 @@ def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
         _HANDLER_INSTALLED = True
     register_hang_diagnosis(watchdog.diagnose_now, watchdog.concluding.is_set)
     atexit.register(_script_ended)  # runs before JAX's shutdown barrier (registered earlier)
-    watchdog.thread.start()
+    background.start(watchdog._watch, "mirrored-hang-watchdog", watchdog._stop)
     logger.info("Hang watchdog: a stall of %g s is reported and ends the job.", timeout_s)
     return watchdog
