@@ -22,6 +22,7 @@ JOIN_S = 5.0  # at exit, the longest wait for all threads together (each call is
 _THREADS: list[tuple[threading.Thread, threading.Event]] = []
 _LOCK = threading.Lock()
 _HOOKED: list[bool] = []
+_FIRST: list[Callable[[], None]] = []  # run at exit before the threads are stopped
 
 
 def start(
@@ -42,8 +43,23 @@ def start(
     return thread
 
 
+def first_at_exit(fn: Callable[[], None]) -> None:
+    """Run `fn` at exit while the threads still run, before they are stopped (once)."""
+    if fn not in _FIRST:
+        _FIRST.append(fn)
+
+
 def stop_all(timeout_s: float = JOIN_S) -> None:
-    """Stop every thread started here and wait for them, `timeout_s` at most in all."""
+    """At exit: the `first_at_exit` functions, then stop every thread started here and wait
+    for them, `timeout_s` at most in all."""
+    try:
+        for fn in _FIRST:
+            fn()
+    finally:
+        _stop_threads(timeout_s)
+
+
+def _stop_threads(timeout_s: float) -> None:
     with _LOCK:
         threads = list(_THREADS)
     for _, stop in threads:

@@ -239,16 +239,23 @@ def _read_peer_addresses(client: Any) -> None:
                 _PEER_ADDRESSES[rank] = (host, int(port))
 
 
-def _dead_processes() -> list[int]:
+def _dead_processes(tries: int = 5) -> list[int]:
     """The peers whose liveness port refuses a connection (they are gone); a peer on a lost
-    machine, whose probe times out, is counted too. [] when the ports are not known."""
-    dead = []
-    for rank, address in sorted(_PEER_ADDRESSES.items()):
-        try:
-            socket.create_connection(address, timeout=PROBE_TIMEOUT_S).close()
-        except OSError:
-            dead.append(rank)
-    return dead
+    machine, whose probe times out, is counted too. [] when the ports are not known.
+
+    Asked again a few times 0.1 s apart while none is found: a dying process' kernel closes
+    its sockets one by one, and its gloo connection may fail before its port does."""
+    for attempt in range(tries):
+        dead = []
+        for rank, address in sorted(_PEER_ADDRESSES.items()):
+            try:
+                socket.create_connection(address, timeout=PROBE_TIMEOUT_S).close()
+            except OSError:
+                dead.append(rank)
+        if dead or not _PEER_ADDRESSES or attempt == tries - 1:
+            return dead
+        time.sleep(0.1)
+    return []
 
 
 def _publish_failure(error: BaseException) -> None:

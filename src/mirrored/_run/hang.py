@@ -426,6 +426,14 @@ def _script_ended() -> None:
     beat.phase = "exit"
 
 
+def _shut_down_while_watching() -> None:
+    """At exit, JAX's shutdown barrier with the watchdog still watching: a peer that never
+    reaches it (it hangs in a step this process skipped) is a hang it reports. The watchdog
+    is stopped after it (`background.stop_all`), before the interpreter finalizes; JAX's own
+    exit handler then finds jax.distributed shut down."""
+    jax.distributed.shutdown()
+
+
 def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
     """Watch this process (once; a later call sets the timeout): `hang_timeout` as
     `hang_seconds` reads it. Returns the watchdog, or None when it is off."""
@@ -447,6 +455,8 @@ def start_watchdog(hang_timeout: float | None) -> Watchdog | None:
         _HANDLER_INSTALLED = True
     register_hang_diagnosis(watchdog.diagnose_now, watchdog.concluding.is_set)
     atexit.register(_script_ended)  # runs before JAX's shutdown barrier (registered earlier)
+    if watchdog.processes > 1:
+        background.first_at_exit(_shut_down_while_watching)
     background.start(watchdog._watch, "mirrored-hang-watchdog", watchdog._stop)
     logger.info("Hang watchdog: a stall of %g s is reported and ends the job.", timeout_s)
     return watchdog
