@@ -102,6 +102,12 @@ def test_a_trainer_with_sharded_state_fits_as_the_mirrored_one(devices):
     assert ours == theirs
     both = zip(_arrays(sharded.model), _arrays(mirrored_.model), strict=True)
     assert all(np.array_equal(a, b) for a, b in both)
+    scattered, logs = fitted(shard_optimizer_state="gradients")  # ZeRO-2
+    assert scattered.optimizer.shard_gradients
+    for key, values in theirs.items():
+        np.testing.assert_allclose(logs[key], values, rtol=1e-6)
+    for a, b in zip(_arrays(scattered.model), _arrays(mirrored_.model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_a_checkpoint_of_sharded_state_restores_onto_any_layout(devices, tmp_path):
@@ -136,8 +142,8 @@ def test_what_it_does_not_do_yet_is_a_clear_error(devices):
         mirrored.ShardedOptimizer(model, optax.adam(1e-3))
     with strategy.scope():
         model = SmallMLP(rngs=nnx.Rngs(0))
-        with pytest.raises(NotImplementedError, match="shard_gradients=False"):
-            mirrored.ShardedOptimizer(model, optax.adam(1e-3), shard_gradients=True)
+        with pytest.raises(TypeError, match="shard_gradients to be True .* or False .*Fix"):
+            mirrored.ShardedOptimizer(model, optax.adam(1e-3), shard_gradients="yes")
         optimizer = mirrored.ShardedOptimizer(model, optax.adam(1e-3))
         with pytest.raises(NotImplementedError, match="steps_per_execution=1"):
             mirrored.Trainer(
@@ -181,9 +187,113 @@ def test_the_doctor_shows_memory_per_device_and_what_sharding_saves(devices):
     assert "44 B in 3 leaves not divisible by 8 stay whole" in check.summary
     assert check.data["collectives"]["all-gather"] >= 1, check.data
     assert report["Replicas in sync"].status == "PASS"
+    assert check.data["grads"]["now"] == check.data["grads"]["replicated"] == 581 * 4
+    assert check.data["compiled"]["temp"] > 0 and "temporaries" in check.summary
     check, _ = memory(whole)
     assert check.status == "INFO" and "mirrored.ShardedOptimizer would hold" in check.summary
+    with strategy.scope():  # ZeRO-2: each device keeps its shard of the gradients too
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        scattered = _zero2(model, optax.adam(1e-2))
+    check, _ = memory(scattered)
+    assert check.status == "PASS", check.summary
+    assert check.data["grads"]["now"] == (581 - 5) * 4 // 8 + 5 * 4
+    assert check.data["collectives"]["reduce-scatter"] == 3, check.data
     for variable in jax.tree.leaves(split.opt_state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
         variable.set_raw_value(jax.device_put(variable.get_raw_value(), strategy._replicated))
     check, _ = memory(split)
     assert check.status == "FAIL" and "still whole on every device" in check.summary
+
+
+# -- ZeRO-2: shard_gradients=True ---------------------------------------------------------------
+
+
+def _zero2(model, tx):
+    return mirrored.ShardedOptimizer(model, tx, shard_gradients=True)
+
+
+@pytest.mark.parametrize(
+    ("tx", "n", "epochs"),
+    [("sgd", 8, 4), ("adam", 2, 1), ("adam", 8, 1), ("clip_adam", 8, 1), ("multisteps", 8, 1)],
+)
+def test_zero2_gives_the_replicated_run_within_float_rounding(devices, tx, n, epochs):
+    """20 SGD steps, 5 of Adam (ragged batches included): each replica sums its shard of the
+    gradients (a reduce-scatter) in another order than the all-reduce; within 1e-6."""
+    ours = _trained(devices[:n], _zero2, tx, epochs)
+    theirs = _trained(devices[:n], _replicated, tx, epochs)
+    for a, b in zip(_arrays(*ours), _arrays(*theirs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_zero2_on_one_replica_is_nnx_optimizer_to_the_bit(devices):
+    ours = _trained(devices[:1], _zero2, "adam", 1)
+    theirs = _trained(devices[:1], _replicated, "adam", 1)
+    for a, b in zip(_arrays(*ours), _arrays(*theirs), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_zero2_compiles_a_reduce_scatter_and_no_whole_gradient(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    programs = {}
+    for name, make in (("zero1", mirrored.ShardedOptimizer), ("zero2", _zero2)):
+        with strategy.scope():
+            model = SmallMLP(rngs=nnx.Rngs(0))
+            optimizer = make(model, optax.adam(1e-2))
+        ((x, y),) = strategy.experimental_distribute_dataset([(X[:16], Y[:16])])
+        lowered = strategy._runner.lowered(train_step, (model, optimizer, x, y), {})
+        text = lowered.compile().as_text().splitlines()
+        programs[name] = {
+            op: " ".join(line.split(f" {op}(")[0] for line in text if f" {op}(" in line)
+            for op in ("all-reduce", "reduce-scatter")
+        }
+    # ZeRO-1 all-reduces every gradient whole; ZeRO-2 reduce-scatters hidden.kernel (split
+    # on its 32 columns), hidden.bias and out.kernel, and all-reduces out.bias (5) alone.
+    assert all(f"f32[{s}]" in programs["zero1"]["all-reduce"] for s in ("12,32", "32,5"))
+    assert programs["zero1"]["reduce-scatter"] == ""
+    assert programs["zero2"]["all-reduce"].count("f32[") == 1
+    assert "f32[1,5]" in programs["zero2"]["all-reduce"]
+    scattered = programs["zero2"]["reduce-scatter"]
+    assert all(f"f32[{s}]" in scattered for s in ("12,4", "4", "4,5")), scattered
+
+
+def _loss(model, x, y):
+    per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+    return mirrored.compute_average_loss(per_example)
+
+
+def _mean_of_gradients(model, optimizer, x, y):
+    grads = nnx.grad(_loss)(model, x, y)
+    optimizer.update(model, mirrored.get_replica_context().all_reduce("MEAN", grads))
+
+
+def _norm_of_gradients(model, optimizer, x, y):
+    grads = nnx.grad(_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return optax.tree.norm(grads)
+
+
+def _writes_a_parameter(model, optimizer, x, y):
+    optimizer.update(model, nnx.grad(_loss)(model, x, y))
+    model.out.kernel.set_value(jax.numpy.zeros((32, 5)))
+
+
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [
+        (_mean_of_gradients, r"all_reduce\('MEAN'\) .* 1/N of the true mean.*Fix"),
+        (_norm_of_gradients, r"partial sum .*clip_by_global_norm.*shard_gradients=False"),
+        (_writes_a_parameter, r"assignment to a Param of shape \[32, 5\].*Fix"),
+    ],
+    ids=["mean", "norm", "write"],
+)
+def test_zero2_refuses_what_would_silently_differ(devices, step, error):
+    """JAX would give 1/N for a MEAN of the partial sums without a word; a norm of them
+    raises JAX's own error, re-raised with the fix. Nothing changes."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = _zero2(model, optax.adam(1e-2))
+    ((x, y),) = strategy.experimental_distribute_dataset([(X[:16], Y[:16])])
+    before = _arrays(model, optimizer)
+    with pytest.raises(ValueError, match=error):
+        strategy.run(step, args=(model, optimizer, x, y))
+    assert all(np.array_equal(a, b) for a, b in zip(before, _arrays(model, optimizer), strict=True))

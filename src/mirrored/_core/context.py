@@ -116,6 +116,13 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(axes or ())
 
 
+def is_unreduced(x: Any) -> bool:
+    """Whether `x` is a partial sum that each replica holds (its sum over the replicas is the
+    value): the gradient of a parameter whose gradients are reduce-scattered (ZeRO-2)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return REPLICA_AXIS in frozenset(getattr(mat, "unreduced", None) or ())
+
+
 def is_varying(x: Any) -> bool:
     """Whether `x` may differ between replicas (False: provably identical on all of them)."""
     return REPLICA_AXIS in varying_axes(x)
@@ -126,6 +133,21 @@ def as_varying(x: Any) -> Any:
     if x is None or is_varying(x):
         return x
     return jax.lax.pcast(x, (REPLICA_AXIS,), to="varying")
+
+
+def _unreduced_error(op: ReduceOp, where: str) -> ValueError:
+    effect = (
+        "a MEAN would silently be 1/N of the true mean"
+        if op is ReduceOp.MEAN
+        else "reducing it here would make it whole on every device again"
+    )
+    return ValueError(
+        f"all_reduce({op.value!r}) expected values that differ per replica; found{where} a "
+        "gradient of a ShardedOptimizer(shard_gradients=True) model, which each replica holds "
+        f"as its own part of the sum over the replicas (the optimizer reduce-scatters it; "
+        f"{effect}). Fix: pass the gradients to optimizer.update as they are (it sums them); "
+        "to look at them whole (a norm, a log), use shard_gradients=False."
+    )
 
 
 def _invariant_error(op: ReduceOp, path: str) -> ValueError:
@@ -184,6 +206,8 @@ class ReplicaContext:
         # ShardedOptimizer.update calls of this step, applied after it in the global view:
         # (optimizer, model, gradients, keyword arguments), the traced objects.
         self.deferred_updates: list[tuple[Any, Any, Any, Any]] = []
+        # ZeRO-2 parameters among the step's: their gradients are each replica's part of a sum.
+        self.gradients_scattered = False
         # Ids of state variables whose update only added to them (user's Flax metrics):
         # `run` sums the replicas' additions, as for metrics.
         self.summed_states: set[int] = set()
@@ -252,9 +276,14 @@ class ReplicaContext:
         }[op]
 
         def one(path: Any, x: Any) -> Any:
+            where = f" at {jax.tree_util.keystr(path)}" if path else ""
+            if is_unreduced(x):
+                raise _unreduced_error(op, where)
             if not is_varying(x):
-                where = f" at {jax.tree_util.keystr(path)}" if path else ""
-                raise _invariant_error(op, where)
+                error = _invariant_error(op, where)
+                if self.gradients_scattered:  # the first trace: the gradients still whole
+                    raise ValueError(f"{error}\n{_unreduced_error(op, where)}")
+                raise error
             return reduce(x, REPLICA_AXIS)
 
         return jax.tree_util.tree_map_with_path(one, value)

@@ -45,6 +45,16 @@ def is_sharded_variable(variable: object) -> bool:
     return bool(has and has("sharded") and variable.get_metadata("sharded") != REPLICATED)  # type: ignore[attr-defined]
 
 
+def scattered_gradient_spec(variable: object) -> PartitionSpec | None:
+    """The split of a parameter whose gradients a `ShardedOptimizer(shard_gradients=True)`
+    reduce-scatters over the replicas (its `gradient_shards` metadata), or None."""
+    has = getattr(variable, "has_metadata", None)
+    if not (has and has("gradient_shards")):
+        return None
+    spec = variable.get_metadata("gradient_shards")  # type: ignore[attr-defined]
+    return None if spec == REPLICATED else spec  # type: ignore[no-any-return]
+
+
 def is_per_replica_state(x: object) -> bool:
     """Whether the array `x` is per-replica state: one row per replica, its leading axis split
     over the replica axis (the Trainer's local gradient sums), not mirrored."""

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mirrored._core.mesh import REPLICA_AXIS, sharded_spec
+from mirrored._core.mesh import REPLICA_AXIS, scattered_gradient_spec, sharded_spec
 from mirrored._proof.checks import FAIL, INFO, PASS, Check
 
 
@@ -34,16 +34,26 @@ def _count(text: str, op: str) -> int:
     return text.count(f" {op}(") + text.count(f" {op}-start(")
 
 
-def check_memory(args: Sequence[Any], hlo_text: str, n: int) -> Check | None:
+def check_memory(args: Sequence[Any], hlo_text: str, n: int, analysis: Any = None) -> Check | None:
     """The memory line for the step's optimizer (the first `nnx.Optimizer` among `args`), or
-    None when the step has none."""
+    None when the step has none; `analysis`: the compiled step's `memory_analysis()`."""
     from mirrored._optim.sharded import ShardedOptimizer
 
     optimizer = next((a for a in args if isinstance(a, nnx.Optimizer)), None)
     model = next((a for a in args if isinstance(a, nnx.Module) and a is not optimizer), None)
     if optimizer is None or model is None:
         return None
-    params = [x for x in jax.tree.leaves(nnx.state(model, optimizer.wrt)) if hasattr(x, "nbytes")]
+    variables = jax.tree.leaves(
+        nnx.state(model, optimizer.wrt), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    params = [v.get_raw_value() for v in variables if isinstance(v, nnx.Variable)]
+    params = [x for x in params if hasattr(x, "nbytes")]
+    # ZeRO-2: each device keeps its shard of a reduce-scattered gradient.
+    now_grads = sum(
+        int(v.get_raw_value().nbytes) // (n if scattered_gradient_spec(v) is not None else 1)
+        for v in variables
+        if isinstance(v, nnx.Variable) and hasattr(v.get_raw_value(), "nbytes")
+    )
     state = [x for x in jax.tree.leaves(nnx.state(optimizer.opt_state)) if hasattr(x, "nbytes")]
     whole_params = sum(int(x.nbytes) for x in params)
     whole_state = sum(int(x.nbytes) for x in state)
@@ -54,9 +64,9 @@ def check_memory(args: Sequence[Any], hlo_text: str, n: int) -> Check | None:
     ideal_state = remainder + split_state // n
     rows = {
         "params": (whole_params, whole_params),
-        "grads": (whole_params, whole_params),
+        "grads": (whole_params, now_grads),
         "optimizer state": (whole_state, now_state),
-        "total": (2 * whole_params + whole_state, 2 * whole_params + now_state),
+        "total": (2 * whole_params + whole_state, whole_params + now_grads + now_state),
     }
     data: dict[str, Any] = {
         name: {"replicated": a, "now": b, "ratio": round(b / a, 4) if a else 1.0}
@@ -66,6 +76,11 @@ def check_memory(args: Sequence[Any], hlo_text: str, n: int) -> Check | None:
         op: _count(hlo_text, op) for op in ("all-reduce", "reduce-scatter", "all-gather")
     }
     data["whole"] = {"bytes": remainder, "leaves": len(whole_leaves)}
+    compiled = {
+        key: int(getattr(analysis, f"{key}_size_in_bytes", -1))
+        for key in ("argument", "output", "temp")
+    }
+    data["compiled"] = compiled if analysis is not None else {}
     table = "; ".join(
         f"{name} {_size(a)}" + (f" → {_size(b)} ({b / a:.2f}×)" if a and b != a else "")
         for name, (a, b) in rows.items()
@@ -78,7 +93,8 @@ def check_memory(args: Sequence[Any], hlo_text: str, n: int) -> Check | None:
         else ""
     )
     ops = ", ".join(f"{count} {op}" for op, count in data["collectives"].items())
-    summary = f"per device: {table}{left}; collectives: {ops}"
+    temp = f"; compiled step's temporaries {_size(compiled['temp'])}" if analysis else ""
+    summary = f"per device: {table}{left}; collectives: {ops}{temp}"
     sharded = isinstance(optimizer, ShardedOptimizer)
     if sharded and n > 1 and split_state and now_state >= whole_state:
         return Check(

@@ -255,9 +255,11 @@ def verify(
     replicated = strategy._replicated
     copies = _copy_args(args, lambda a: jax.device_put(a, replicated), strategy)
     try:
-        hlo_text = strategy._compiled_text(step_fn, copies, {})
+        compiled = strategy._runner.compiled(step_fn, copies, {})
+        hlo_text = str(compiled.as_text())
         checks.append(check_collectives(hlo_text, n))
-        memory = check_memory(args, hlo_text, n)  # the caller's layout, not the copies'
+        # The caller's layout, not the copies'; the compiled program's own bytes.
+        memory = check_memory(args, hlo_text, n, compiled.memory_analysis())
         if memory is not None:
             checks.append(memory)
     except ReplicaDivergenceError as error:

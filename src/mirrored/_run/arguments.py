@@ -13,6 +13,7 @@ import numpy as np
 
 from mirrored._core.leaves import is_hollow
 from mirrored._core.leaves import type_kind as _type_kind
+from mirrored._core.mesh import scattered_gradient_spec
 
 if TYPE_CHECKING:
     from mirrored._run.placement import Placement
@@ -119,6 +120,8 @@ class _Sorted:
     local: list[int] = dataclasses.field(default_factory=list)
     # Slots of a ShardedOptimizer's state split over the replicas, and their specs.
     sharded: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # Slots of parameters whose gradients are reduce-scattered (ZeRO-2), and their splits.
+    scattered: dict[int, Any] = dataclasses.field(default_factory=dict)
     # A padded batch among the inputs: its example mask (split) and real-example count.
     mask: jax.Array | None = None
     count: jax.Array | None = None
@@ -171,6 +174,9 @@ def sort_leaves(placement: Placement, leaves: list[Any], args: Any, kwargs: Any)
                     out.local.append(slot)
                 if spec is not None:
                     out.sharded[slot] = spec
+                scatter = scattered_gradient_spec(leaf)
+                if scatter is not None and spec is None and not local:
+                    out.scattered[slot] = scatter
             out.kinds.append(_VARIABLE)
         elif kind == "p":
             placement.check_split(leaf)

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from mirrored._core import context as _context
-from mirrored._core.mesh import REPLICATED, sharded, sharded_spec
+from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, sharded, sharded_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,16 @@ class Deferred:
     grads: int  # how many leaves it takes from the step's extra outputs
 
 
-def collect(ctx: Any, fresh: Sequence[Any], fn_name: str) -> tuple[list[Deferred], list[Any]]:
-    """The step's recorded updates and their gradients (mirrored leaves), in call order."""
+def collect(
+    ctx: Any, fresh: Sequence[Any], fn_name: str, n: int, scatter: bool
+) -> tuple[list[Deferred], list[Any], list[Any]]:
+    """The step's recorded updates, their gradients (and keyword arguments) and each one's
+    layout as it leaves the step, in call order. A `shard_gradients` optimizer's gradients
+    are split like its state; with `scatter` (the parameters entered the step "reduced", so
+    each replica holds its own part of every gradient's sum) each replica keeps the sum of
+    its shard alone: a reduce-scatter instead of an all-reduce (ZeRO-2)."""
     slot_of = {id(v.get_raw_value()): i for i, v in enumerate(fresh)}
-    records, leaves = [], []
+    records, leaves, specs = [], [], []
     for optimizer, model, grads, kwargs in ctx.deferred_updates:
         graphdef, state = nnx.split((model, optimizer))
         values, treedef = jax.tree.flatten(state)
@@ -61,8 +68,28 @@ def collect(ctx: Any, fresh: Sequence[Any], fn_name: str) -> tuple[list[Deferred
             )
         slots = tuple(slot_of[id(x)] for x in values)
         records.append(Deferred(graphdef, treedef, slots, grads_treedef, len(grad_leaves)))
-        leaves.extend(grad_leaves)
-    return records, leaves
+        gradients = len(jax.tree.leaves(grads))  # they come first; then the kwargs
+        for i, g in enumerate(grad_leaves):
+            split = optimizer.shard_gradients and i < gradients
+            spec = sharded_spec(tuple(jnp.shape(g)), n) if split else REPLICATED
+            leaves.append(_shard_of(g, spec, n) if scatter else g)
+            specs.append(spec)
+    return records, leaves, specs
+
+
+def _shard_of(g: Any, spec: Any, n: int) -> Any:
+    """This replica's part of gradient `g` as it leaves the step under `spec`: the sum of
+    its shard over the replicas (a reduce-scatter) when each holds its own part of the sum,
+    else its shard of the whole."""
+    unreduced = _context.is_unreduced(g)
+    if spec == REPLICATED:
+        return jax.lax.psum(g, REPLICA_AXIS) if unreduced else g
+    dim = list(spec).index(REPLICA_AXIS)
+    if unreduced:
+        return jax.lax.psum_scatter(g, REPLICA_AXIS, scatter_dimension=dim, tiled=True)
+    size = g.shape[dim] // n
+    start = jax.lax.axis_index(REPLICA_AXIS) * size
+    return jax.lax.dynamic_slice_in_dim(g, start, size, axis=dim)
 
 
 def apply(
@@ -94,3 +121,27 @@ def apply(
                 value = jax.lax.with_sharding_constraint(value, sharded(mesh, split))
             state[slot] = jax.lax.with_sharding_constraint(value, sharded(mesh, specs[slot]))
     return state
+
+
+def scattered_gradient_error(fn_name: str, error: BaseException) -> ValueError:
+    """JAX refused an operation on a ZeRO-2 gradient (each replica's part of its sum)."""
+    return ValueError(
+        f"strategy.run expected {fn_name!r} to hand the gradients of a "
+        "ShardedOptimizer(shard_gradients=True) model to optimizer.update as they are; found "
+        "an operation on them (or on the parameters) that JAX cannot do on a partial sum "
+        f"held by each replica ({type(error).__name__}: {str(error).splitlines()[0]}). Fix: "
+        "leave the gradients to the optimizer (put clipping in the Optax chain, e.g. "
+        "optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)): it sees them whole), "
+        "or use shard_gradients=False to work on them in the step."
+    )
+
+
+def scattered_write_error(fn_name: str, variable: Any) -> ValueError:
+    """The step assigned to a parameter whose gradients are reduce-scattered."""
+    return ValueError(
+        f"strategy.run expected {fn_name!r} to leave the parameters of a "
+        "ShardedOptimizer(shard_gradients=True) model to the optimizer; found an assignment "
+        f"to a {type(variable).__name__} of shape {list(jnp.shape(variable.get_raw_value()))}. "
+        "Fix: change parameters through optimizer.update, or outside strategy.run, or use "
+        "shard_gradients=False."
+    )

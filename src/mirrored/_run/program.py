@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.core import ShardingTypeError
 from jax.sharding import PartitionSpec
 
 from mirrored._core import capture as _capture
@@ -126,11 +127,24 @@ def compile_step(
     )
 
     def one_step(
-        state: list[Any], split: list[Any], rep: list[Any], mask: Any, count: Any, warn: bool
+        state: list[Any],
+        split: list[Any],
+        rep: list[Any],
+        mask: Any,
+        count: Any,
+        warn: bool,
+        scatter: bool = False,
     ) -> tuple[list[Any], Any, Any, list[Any]]:
         """One step of `fn` on this replica: the new state (mirrored again), the output,
-        and under check_numerics the finite flags (of the batch, of the values)."""
-        inner = rules.entering(state, n)
+        and under check_numerics the finite flags (of the batch, of the values). With
+        `scatter`, the parameters of a ShardedOptimizer(shard_gradients=True) enter
+        "reduced": their gradients are then each replica's own part of the sum (JAX adds no
+        all-reduce), which `deferred.collect` reduce-scatters (ZeRO-2)."""
+        entered = inner = rules.entering(state, n)
+        if scatter:
+            inner = list(inner)
+            for slot in sorted_.scattered:
+                inner[slot] = jax.lax.pcast(inner[slot], REPLICA_AXIS, to="reduced")
         fresh = [jax.tree.unflatten(td, [x]) for td, x in zip(var_treedefs, inner, strict=True)]
         split_it, rep_it = iter(split), iter(rep)
         rebuilt = []
@@ -155,6 +169,7 @@ def compile_step(
             real_rows=real_rows,
         )
         ctx.warnings = warn  # trace-time warnings: on the first of the two traces only
+        ctx.gradients_scattered = bool(sorted_.scattered)
         token = _context.enter_replica(ctx)
         gradients: list[Any] = []
         try:
@@ -178,13 +193,23 @@ def compile_step(
             _check_writes(fn_name, (args, kwargs), rebuilt, kinds, treedef, after, plan, fresh)
         except jax.errors.TracerBoolConversionError as error:
             raise _python_branch_error(error, fn_name, eager) from error
+        except (NotImplementedError, ShardingTypeError) as error:
+            if not scatter or "reduced" not in str(error):
+                raise
+            raise deferred.scattered_gradient_error(fn_name, error) from error
         finally:
             _context.exit_replica(token)
         # Flax metrics of the user's own whose update only adds to their state: sums too.
         slot_of = {id(v): i for i, v in enumerate(fresh)}
         sums = ctx.summed_states - ctx.not_summed_states
         added = {slot_of[v] for v in sums if v in slot_of}
-        new_state = rules.combined(state, inner, [v.get_raw_value() for v in fresh], added, mask, n)
+        values = [v.get_raw_value() for v in fresh]
+        if scatter:  # the parameters leave as they entered; the update comes after the step
+            for slot in sorted_.scattered:
+                if values[slot] is not inner[slot]:
+                    raise deferred.scattered_write_error(fn_name, unique[slot])
+                values[slot] = entered[slot]
+        new_state = rules.combined(state, entered, values, added, mask, n)
         for slot, (variable, value) in enumerate(zip(unique, new_state, strict=True)):
             if slot in local:  # per-replica state: each replica keeps its own row
                 new_state[slot] = _context.as_varying(value)
@@ -209,8 +234,11 @@ def compile_step(
             recorded["check"] = layout
         # ShardedOptimizer updates: their gradients leave the step, whole, to be applied in
         # the global view right after it (`deferred`).
-        records, grads = deferred.collect(ctx, fresh, fn_name) if ctx.deferred_updates else ([], [])
+        records, grads, specs = deferred.collect(ctx, fresh, fn_name, n, scatter)
         recorded["deferred"] = records
+        if not scatter:  # the first trace: the gradients' layout, for the compiled one
+            recorded["grad_specs"] = specs
+            recorded["scatter"] = any(o.shard_gradients for o, *_ in ctx.deferred_updates)
         return new_state, out, flags, grads
 
     def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
@@ -222,8 +250,9 @@ def compile_step(
             mask, count = split[-1], rep[-1]
             split, rep = split[:-1], rep[:-1]
         if steps is None:
+            scatter = expand is not None and recorded.get("scatter", False)
             new_state, out, flags, grads = one_step(
-                state, split, rep, mask, count, expand is None and not quiet
+                state, split, rep, mask, count, expand is None and not quiet, scatter
             )
             if checking:  # a non-finite value on any replica: every replica keeps its state
                 new_state, failed = numerics._unless_non_finite(flags, new_state, state, failed)
@@ -284,11 +313,13 @@ def compile_step(
         state_specs = [*slot_specs, *[REPLICATED] * checking]  # the latch
 
     def program(expand: Any, out_specs: Any) -> Any:
+        # ZeRO-2's gradients leave the step split (the compiled trace; the first, whole).
+        grad_specs = REPLICATED if expand is None else recorded.get("grad_specs") or REPLICATED
         mapped = jax.shard_map(
             lambda s, d, r: body(s, d, r, expand=expand),
             mesh=target.mesh,
             in_specs=(state_specs, split_spec, REPLICATED),
-            out_specs=(state_specs, out_specs, REPLICATED, REPLICATED),
+            out_specs=(state_specs, out_specs, REPLICATED, grad_specs),
             check_vma=True,
         )
 

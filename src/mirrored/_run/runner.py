@@ -166,6 +166,7 @@ class Runner:
             numerics.check_numerics_enabled(),
             tuple(sorted_.local),
             tuple(sorted_.sharded.items()),
+            tuple(sorted_.scattered.items()),
         )
         # A step that evaluates a function of the whole batch: a program per real-row count.
         real_rows = self._real_rows(key[0], masked, sorted_.count)
@@ -217,6 +218,7 @@ class Runner:
             masked,
             tuple(sorted_.local),
             tuple(sorted_.sharded.items()),
+            tuple(sorted_.scattered.items()),
         )
         real_rows = self._real_rows(key[2], masked, rep[-1] if masked else None)
         program = self._programs.get((*key, real_rows, checking))
@@ -283,7 +285,11 @@ class Runner:
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> str:
         """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
-        return str(self.lowered(fn, args, kwargs).compile().as_text())
+        return str(self.compiled(fn, args, kwargs).as_text())
+
+    def compiled(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The compiled program `run(fn, args, kwargs)` executes (nothing runs)."""
+        return self.lowered(fn, args, kwargs).compile()
 
     def _eagerly(
         self,

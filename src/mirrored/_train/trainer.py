@@ -84,7 +84,8 @@ class Trainer(FitLoop, Evaluation):
         shard_optimizer_state: split the optimizer state over the replicas
             (`mirrored.ShardedOptimizer`, ZeRO stage 1): about 1/N of it per device, the
             replicated run's numbers; with `steps_per_execution=1`, without float16 loss
-            scaling. `"gradients"` (ZeRO-2) is not available yet.
+            scaling. `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within float
+            rounding of the replicated run).
 
     Example:
         >>> with strategy.scope():
