@@ -1,7 +1,8 @@
-"""ZeRO stage 1 (`mirrored.ShardedOptimizer`) against the mirrored `nnx.Optimizer`: Adam state
-bytes per device, the compiled step's temporary bytes, and step time, for the seed MLP
-(784-128-10, batch 256) and the wide MLP (784-2048-2048-10, batch 512) on N simulated CPU
-devices in one process. Rounds alternate; times are medians. Prints JSON.
+"""ZeRO stages 1 and 2 (`mirrored.ShardedOptimizer`, `shard_gradients=True`) against the
+mirrored `nnx.Optimizer`: Adam state bytes per device, the compiled step's temporary bytes,
+and step time, for the seed MLP (784-128-10, batch 256) and the wide MLP (784-2048-2048-10,
+batch 512) on N simulated CPU devices in one process. Rounds alternate; times are medians.
+Prints JSON.
 
     python benchmarks/zero.py [--devices 8] [--steps 30] [--rounds 5]
 """
@@ -48,13 +49,15 @@ def main() -> None:
     for name in args.models.split(","):
         hidden, batch = MODELS[name]
         runs = {}
-        for kind, make in (("replicated", nnx.Optimizer), ("zero1", mirrored.ShardedOptimizer)):
+        for kind in ("replicated", "zero1", "zero2"):
             with strategy.scope():
                 model = MLP(hidden, rngs=nnx.Rngs(0))
                 optimizer = (
-                    make(model, optax.adam(1e-3), wrt=nnx.Param)
-                    if make is nnx.Optimizer
-                    else make(model, optax.adam(1e-3))
+                    nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+                    if kind == "replicated"
+                    else mirrored.ShardedOptimizer(
+                        model, optax.adam(1e-3), shard_gradients=kind == "zero2"
+                    )
                 )
             batches = list(strategy.experimental_distribute_dataset(synthetic_batches(batch)))
             x, y = batches[0]
@@ -82,24 +85,22 @@ def main() -> None:
                 start = time.perf_counter()
                 run["steps"](args.steps)
                 run["times"].append((time.perf_counter() - start) / args.steps)
-        replicated, zero1 = runs["replicated"], runs["zero1"]
-        step_r = statistics.median(replicated["times"])
-        step_z = statistics.median(zero1["times"])
+        kinds = list(runs)
+        step = {kind: statistics.median(runs[kind]["times"]) for kind in kinds}
         rows.append(
             {
                 "model": name,
                 "devices": args.devices,
                 "adam_state_bytes_per_device": {
-                    "replicated": replicated["state_bytes"],
-                    "zero1": zero1["state_bytes"],
-                    "replicated_over_n": replicated["whole_state_bytes"] // args.devices,
+                    **{kind: runs[kind]["state_bytes"] for kind in kinds},
+                    "replicated_over_n": runs["replicated"]["whole_state_bytes"] // args.devices,
                 },
-                "compiled_temp_bytes": {
-                    "replicated": replicated["temp_bytes"],
-                    "zero1": zero1["temp_bytes"],
+                "compiled_temp_bytes": {kind: runs[kind]["temp_bytes"] for kind in kinds},
+                "step_ms": {kind: round(step[kind] * 1e3, 3) for kind in kinds},
+                **{
+                    f"speed_{kind}_over_replicated": round(step["replicated"] / step[kind], 3)
+                    for kind in ("zero1", "zero2")
                 },
-                "step_ms": {"replicated": round(step_r * 1e3, 3), "zero1": round(step_z * 1e3, 3)},
-                "speed_zero1_over_replicated": round(step_r / step_z, 3),
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
