@@ -42,8 +42,8 @@ class ShardedOptimizer(nnx.Optimizer):  # type: ignore[type-arg]
 
     Differs from tf.distribute: TensorFlow mirrors every optimizer slot (Keras 3's
     `DataParallel` too); it has no equivalent. Inside `strategy.run` its `update` returns
-    None (the update happens right after the step's per-replica part); `strategy.run_steps`
-    does not run it yet.
+    None (the update happens right after the step's per-replica part; with
+    `strategy.run_steps`, after each of the K steps).
 
     Example:
         >>> with strategy.scope():

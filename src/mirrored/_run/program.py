@@ -241,7 +241,9 @@ def compile_step(
             recorded["scatter"] = any(o.shard_gradients for o, *_ in ctx.deferred_updates)
         return new_state, out, flags, grads
 
-    def body(state: list[Any], split: list[Any], rep: list[Any], *, expand: Any) -> Any:
+    def body(
+        state: list[Any], split: list[Any], rep: list[Any], *, expand: Any, per_step: bool
+    ) -> Any:
         failed = None
         if checking:  # the latch: set, the step changes nothing
             state, failed = state[:-1], state[-1]
@@ -249,14 +251,15 @@ def compile_step(
         if masked:
             mask, count = split[-1], rep[-1]
             split, rep = split[:-1], rep[:-1]
-        if steps is None:
+        if steps is None or per_step:
             scatter = expand is not None and recorded.get("scatter", False)
             new_state, out, flags, grads = one_step(
                 state, split, rep, mask, count, expand is None and not quiet, scatter
             )
             if checking:  # a non-finite value on any replica: every replica keeps its state
                 new_state, failed = numerics._unless_non_finite(flags, new_state, state, failed)
-            rows = None if mask is None else mask.shape[0]
+            # run_steps' outputs are stacked by step, not by example.
+            rows = None if mask is None or per_step else mask.shape[0]
         else:  # `run_steps`: the batches (and masks, counts) stacked on a leading step axis
 
             def scan_step(carry: Any, xs: Any) -> tuple[Any, Any]:
@@ -282,6 +285,7 @@ def compile_step(
                 unroll=unrolled[0],
             )
             rows = None  # outputs are stacked by step, not by example
+            grads = []
         out_leaves, out_treedef = jax.tree.flatten(out)
         out_leaves = [jnp.asarray(x) for x in out_leaves]
         varying = tuple(_context.is_varying(x) for x in out_leaves)
@@ -296,7 +300,7 @@ def compile_step(
         if checking:  # the flags, an extra last output, per replica; the latch
             outs.append(jnp.concatenate(flags, axis=-1)[None])
             new_state = [*new_state, failed]
-        return new_state, outs, jnp.zeros((), jnp.int32), grads if steps is None else []
+        return new_state, outs, jnp.zeros((), jnp.int32), grads
 
     unrolled = [False]  # run_steps' scan, unrolled (below: convolutions on CPU)
     # K steps: every split input carries the step on its leading axis, the batch on the next.
@@ -312,13 +316,17 @@ def compile_step(
     if local or sorted_.sharded:
         state_specs = [*slot_specs, *[REPLICATED] * checking]  # the latch
 
+    # run_steps with a ShardedOptimizer among the arguments: its update runs in the global
+    # view after each step, so the K steps loop around the per-replica program, not in it.
+    per_step = steps is not None and bool(sorted_.sharded)
+
     def program(expand: Any, out_specs: Any) -> Any:
         # ZeRO-2's gradients leave the step split (the compiled trace; the first, whole).
         grad_specs = REPLICATED if expand is None else recorded.get("grad_specs") or REPLICATED
         mapped = jax.shard_map(
-            lambda s, d, r: body(s, d, r, expand=expand),
+            lambda s, d, r: body(s, d, r, expand=expand, per_step=per_step),
             mesh=target.mesh,
-            in_specs=(state_specs, split_spec, REPLICATED),
+            in_specs=(state_specs, SPLIT if per_step else split_spec, REPLICATED),
             out_specs=(state_specs, out_specs, REPLICATED, grad_specs),
             check_vma=True,
         )
@@ -337,7 +345,31 @@ def compile_step(
                 )
             return new_state, outs, token
 
-        return step
+        if not per_step:
+            return step
+        if checking:
+            raise NotImplementedError(
+                "check_numerics (and TerminateOnNaN) do not check strategy.run_steps with a "
+                f"ShardedOptimizer yet ({fn_name!r}). Fix: debug with nnx.Optimizer (the same "
+                "numbers), or turn the check off."
+            )
+
+        def looped(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
+            counts = rep[-1] if masked else None  # each step's real-example count
+            fixed = rep[:-1] if masked else rep
+
+            def each(carry: list[Any], xs: Any) -> tuple[list[Any], Any]:
+                split_k, count_k = xs
+                new, outs, _ = step(carry, split_k, [*fixed, count_k] if masked else fixed)
+                return new, outs
+
+            new_state, outs = jax.lax.scan(each, state, (split, counts), unroll=unrolled[0])
+            # Stacked by step in front; the replicas' axis goes first, as in one program.
+            flags = (True,) * len(outs) if expand is None else expand
+            outs = [jnp.moveaxis(o, 0, 1) if e else o for o, e in zip(outs, flags, strict=True)]
+            return new_state, outs, jnp.zeros((), jnp.int32)
+
+        return looped
 
     def program_fields() -> dict[str, Any]:
         fields = {

@@ -83,8 +83,7 @@ class Trainer(FitLoop, Evaluation):
             numbers, much slower.
         shard_optimizer_state: split the optimizer state over the replicas
             (`mirrored.ShardedOptimizer`, ZeRO stage 1): about 1/N of it per device, the
-            replicated run's numbers; with `steps_per_execution=1`, without float16 loss
-            scaling. `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within float
+            replicated run's numbers; without float16 loss scaling. `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within float
             rounding of the replicated run).
 
     Example:
@@ -439,12 +438,6 @@ def _sharded(optimizer: Any, shard: bool | str, trainer: Any, accumulation: int)
             "Expected shard_optimizer_state to be False, True (the optimizer state split over "
             f"the replicas) or 'gradients' (and the gradients); found {shard!r}. Fix: "
             "shard_optimizer_state=True."
-        )
-    if trainer.steps_per_execution > 1:
-        raise NotImplementedError(
-            "A sharded optimizer state runs one step per program yet; found "
-            f"steps_per_execution={trainer.steps_per_execution}. Fix: steps_per_execution=1, "
-            "or keep the optimizer state mirrored."
         )
     if accumulation > 1:
         raise NotImplementedError(
