@@ -142,6 +142,36 @@ def test_run_steps_and_steps_per_execution_loop_around_the_update(devices, make)
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_float16_loss_scaling_over_sharded_state_skips_as_the_mirrored_one(devices):
+    """mixed_float16: the LossScaleOptimizer's finite check runs in the step, the update (or
+    not) after it on the shards; a batch that overflows float16 skips the update on both."""
+    x = X.copy()
+    x[24:48] *= 3e4  # the second batch's scaled loss overflows
+
+    def fitted(**options):
+        strategy = mirrored.MirroredStrategy(devices)
+        with strategy.scope():
+            model = SmallMLP(rngs=nnx.Rngs(0))
+            trainer = mirrored.Trainer(
+                model,
+                optax.adam(1e-2),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                policy="mixed_float16",
+                **options,
+            )
+        trainer.fit(x, Y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+        return trainer.optimizer, _arrays(model, trainer.optimizer)
+
+    (sharded, ours), (mirrored_, theirs) = fitted(shard_optimizer_state=True), fitted()
+    assert isinstance(sharded.optimizer, mirrored.ShardedOptimizer)
+    assert int(sharded.step[...]) == int(mirrored_.step[...]) < 5  # a step was skipped
+    assert float(sharded.scale[...]) == float(mirrored_.scale[...]) < 2.0**15
+    assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    with pytest.raises(NotImplementedError, match="ZeRO-2.*Fix: shard_optimizer_state=True"):
+        fitted(shard_optimizer_state="gradients")
+
+
 def test_a_checkpoint_of_sharded_state_restores_onto_any_layout(devices, tmp_path):
     """Saved split over 8 replicas; restored into a mirrored nnx.Optimizer on 2 and into a
     ShardedOptimizer on 2, which keeps its layout; training on from either gives the same."""

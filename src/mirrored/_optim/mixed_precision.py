@@ -18,6 +18,7 @@ from flax import nnx
 
 from mirrored._core import context as _context
 from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._optim.sharded import ShardedOptimizer
 
 _POLICIES = {
     "float32": jnp.float32,
@@ -101,6 +102,17 @@ def _all_finite(tree: Any) -> jax.Array:
     return finite
 
 
+def update_only_if(finite: Any, optimizer: Any, model: Any, grads: Any, **kwargs: Any) -> None:
+    """`nnx.Optimizer.update(optimizer, model, grads)` where `finite`, else no change."""
+    # A snapshot of the values (nnx.state shares the live Variables).
+    before = jax.tree.map(lambda v: v, nnx.state((model, optimizer)))
+    nnx.Optimizer.update(optimizer, model, grads, **kwargs)
+    after = nnx.state((model, optimizer))
+    nnx.update(
+        (model, optimizer), jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before)
+    )
+
+
 class LossScaleOptimizer(nnx.Pytree):
     """An optimizer with loss scaling, for float16 training; its state is mirrored and saved.
 
@@ -157,14 +169,10 @@ class LossScaleOptimizer(nnx.Pytree):
         accumulation)."""
         finite = _all_finite(grads)
         safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        # A snapshot of the values (nnx.state shares the live Variables).
-        before = jax.tree.map(lambda v: v, nnx.state((model, self.optimizer)))
-        self.optimizer.update(model, safe, **kwargs)
-        after = nnx.state((model, self.optimizer))
-        nnx.update(
-            (model, self.optimizer),
-            jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before),
-        )
+        if isinstance(self.optimizer, ShardedOptimizer):  # its update comes after the step
+            self.optimizer.update(model, safe, only_if=finite, **kwargs)
+        else:
+            update_only_if(finite, self.optimizer, model, safe, **kwargs)
         if self.dynamic:
             good = jnp.where(finite, self.good_steps[...] + 1, 0)
             grow = good >= self.growth_interval

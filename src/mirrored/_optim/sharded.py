@@ -116,6 +116,11 @@ class ShardedOptimizer(nnx.Optimizer):  # type: ignore[type-arg]
         ctx.deferred_updates.append((self, model, grads, kwargs))
         return None
 
-    def apply_update(self, model: Any, grads: Any, **kwargs: Any) -> Any:
-        """`nnx.Optimizer.update`, on arrays of the global view (XLA partitions it)."""
-        return nnx.Optimizer.update(self, model, grads, **kwargs)
+    def apply_update(self, model: Any, grads: Any, *, only_if: Any = None, **kwargs: Any) -> Any:
+        """`nnx.Optimizer.update`, on arrays of the global view (XLA partitions it); with
+        `only_if` (a LossScaleOptimizer's "every gradient is finite"), no change where False."""
+        if only_if is None:
+            return nnx.Optimizer.update(self, model, grads, **kwargs)
+        from mirrored._optim.mixed_precision import update_only_if
+
+        return update_only_if(only_if, self, model, grads, **kwargs)

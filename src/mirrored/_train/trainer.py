@@ -83,8 +83,9 @@ class Trainer(FitLoop, Evaluation):
             numbers, much slower.
         shard_optimizer_state: split the optimizer state over the replicas
             (`mirrored.ShardedOptimizer`, ZeRO stage 1): about 1/N of it per device, the
-            replicated run's numbers; without float16 loss scaling. `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within float
-            rounding of the replicated run).
+            replicated run's numbers (float16 loss scaling and `steps_per_execution`
+            included). `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within
+            float rounding of the replicated run; not with float16 loss scaling).
 
     Example:
         >>> with strategy.scope():
@@ -448,11 +449,22 @@ def _sharded(optimizer: Any, shard: bool | str, trainer: Any, accumulation: int)
         )
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer
+    if isinstance(optimizer, LossScaleOptimizer) and type(optimizer.optimizer) is nnx.Optimizer:
+        if shard == "gradients":
+            raise NotImplementedError(
+                "Loss scaling (mixed_float16) checks the whole gradient for inf/NaN in the "
+                "step, which ZeRO-2's reduce-scattered gradients are not; found "
+                "shard_optimizer_state='gradients'. Fix: shard_optimizer_state=True (the "
+                "optimizer state split, the gradients whole), or policy='mixed_bfloat16'."
+            )
+        inner = optimizer.optimizer
+        optimizer.optimizer = ShardedOptimizer(trainer.model, inner.tx, wrt=inner.wrt)
+        return optimizer
     if not isinstance(optimizer, nnx.Optimizer) or type(optimizer) is not nnx.Optimizer:
         raise NotImplementedError(
-            "shard_optimizer_state does not wrap a "
-            f"{type(optimizer).__name__} yet (float16 loss scaling); found one. Fix: keep "
-            "the optimizer state mirrored with mixed_float16, or use mixed_bfloat16."
+            f"shard_optimizer_state does not wrap a {type(optimizer).__name__} yet; found "
+            "one. Fix: give the Trainer an Optax transformation (it builds the optimizer), "
+            "or make a mirrored.ShardedOptimizer(model, tx) in the scope and pass it."
         )
     return ShardedOptimizer(
         trainer.model, optimizer.tx, wrt=optimizer.wrt, shard_gradients=shard == "gradients"
