@@ -73,11 +73,6 @@ class ShardedOptimizer(nnx.Optimizer):  # type: ignore[type-arg]
                 "Expected shard_gradients to be True (ZeRO-2: gradients reduce-scattered) or "
                 f"False (ZeRO-1); found {shard_gradients!r}. Fix: pass a bool."
             )
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "ShardedOptimizer runs in one process yet; found "
-                f"{jax.process_count()} processes. Fix: use nnx.Optimizer across processes."
-            )
         super().__init__(model, tx, wrt=wrt)
         self.shard_gradients = shard_gradients
         n, mesh = strategy.num_replicas_in_sync, strategy._mesh

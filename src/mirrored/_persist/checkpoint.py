@@ -101,8 +101,24 @@ def state_arrays(objects: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every variable of the named NNX objects as a host array, keyed `name/path/to/var`."""
     flat: dict[str, Any] = {}
     for prefix, obj in objects.items():
-        flat.update({k: _saved_form(v) for k, v in _flat_state(prefix, obj).items()})
+        flat.update(
+            {k: _host_if_split(_saved_form(v)) for k, v in _flat_state(prefix, obj).items()}
+        )
     return {k: np.asarray(v) for k, v in jax.device_get(flat).items()}
+
+
+def _host_if_split(value: Any) -> Any:
+    """A leaf split over several processes' devices (a ShardedOptimizer's state), on the
+    host as a whole; one leaf at a time, so the devices never hold the whole state."""
+    if (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.is_fully_replicated
+    ):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return value
 
 
 def _saved_form(variable: Any) -> Any:
