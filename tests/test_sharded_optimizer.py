@@ -200,7 +200,7 @@ def test_a_checkpoint_of_sharded_state_restores_onto_any_layout(devices, tmp_pat
         assert np.array_equal(a, b)
 
 
-def test_what_it_does_not_do_yet_is_a_clear_error(devices):
+def test_bad_arguments_and_what_it_does_not_do_yet_are_clear_errors(devices):
     strategy = mirrored.MirroredStrategy(devices)
     model = SmallMLP(rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"inside strategy.scope\(\).*Fix"):
@@ -209,17 +209,16 @@ def test_what_it_does_not_do_yet_is_a_clear_error(devices):
         model = SmallMLP(rngs=nnx.Rngs(0))
         with pytest.raises(TypeError, match="shard_gradients to be True .* or False .*Fix"):
             mirrored.ShardedOptimizer(model, optax.adam(1e-3), shard_gradients="yes")
-        optimizer = mirrored.ShardedOptimizer(model, optax.adam(1e-3))
         with pytest.raises(ValueError, match="shard_optimizer_state to be False, True"):
             mirrored.Trainer(model, optax.adam(1e-3), "mse", shard_optimizer_state="yes")
-    iterator = iter(strategy.experimental_distribute_dataset((X, Y), batch_size=16))
-    x, y = next(iterator)
-    mirrored.debug.enable_check_numerics()
-    try:
-        with pytest.raises(NotImplementedError, match="check_numerics .* ShardedOptimizer"):
-            strategy.run(train_step, args=(model, optimizer, x, y))
-    finally:
-        mirrored.debug.disable_check_numerics()
+        with pytest.raises(NotImplementedError, match="accumulate.*Fix: .*optax.MultiSteps"):
+            mirrored.Trainer(
+                model,
+                optax.adam(1e-3),
+                "mse",
+                shard_optimizer_state=True,
+                gradient_accumulation_steps=2,
+            )
 
 
 def test_the_doctor_shows_memory_per_device_and_what_sharding_saves(devices):
@@ -376,3 +375,78 @@ def test_two_processes_split_the_state_and_train_as_the_mirrored_run(tmp_path):
         np.testing.assert_allclose(result[f"zero2/{i}"], theirs, rtol=1e-6, atol=1e-7)
         for name in ("mirrored", "zero1"):
             assert np.array_equal(result[f"restored_{name}/{i}"], result[f"zero1/{i}"]), i
+
+
+@pytest.mark.parametrize(
+    ("shard", "per_execution"), [(True, 1), ("gradients", 3)], ids=["zero1", "zero2-spe3"]
+)
+def test_terminate_on_nan_stops_before_the_bad_update_as_the_mirrored_run(
+    devices, capsys, shard, per_execution
+):
+    """Batch 2 holds NaN: the step's check (loss, gradients, the updated shards) keeps the
+    model and the split state as they were, and training stops there, as when mirrored."""
+    x = X.copy()
+    x[48:72] = np.nan
+
+    def fitted(**options):
+        strategy = mirrored.MirroredStrategy(devices)
+        with strategy.scope():
+            model = SmallMLP(rngs=nnx.Rngs(0))
+            trainer = mirrored.Trainer(
+                model,
+                optax.adam(1e-2),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=per_execution,
+                **options,
+            )
+        callback = mirrored.callbacks.TerminateOnNaN()
+        trainer.fit(x, Y, batch_size=24, epochs=2, shuffle=False, callbacks=[callback], verbose=0)
+        return trainer, _arrays(model, trainer.optimizer)
+
+    (sharded, ours), (_, theirs) = fitted(shard_optimizer_state=shard), fitted()
+    assert isinstance(sharded.optimizer, mirrored.ShardedOptimizer)
+    assert capsys.readouterr().out.count("Batch 2: Invalid loss, terminating training") == 2
+    assert int(sharded.optimizer.step[...]) == 2  # batches 0 and 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_check_numerics_names_the_input_and_changes_nothing(devices):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = _zero2(model, optax.adam(1e-2))
+    x = X[:16].copy()
+    x[3, 2] = np.inf
+    ((xb, yb),) = strategy.experimental_distribute_dataset([(x, Y[:16])])
+    before = _arrays(model, optimizer)
+    mirrored.debug.enable_check_numerics()
+    try:
+        strategy.run(train_step, args=(model, optimizer, xb, yb))
+    finally:
+        with pytest.raises(mirrored.debug.NonFiniteError) as raised:
+            mirrored.debug.disable_check_numerics()
+    assert list(raised.value.inputs)[:1] == ["x"], raised.value
+    assert all(np.array_equal(a, b) for a, b in zip(before, _arrays(model, optimizer), strict=True))
+
+
+def test_an_update_that_makes_a_parameter_infinite_is_not_applied(devices):
+    """Finite loss and gradients, an infinite update (scaled by 3e38 twice in float32): the
+    check of the updated shards, after the step, keeps the state and names the parameter."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        huge = optax.chain(optax.scale(-3e38), optax.scale(3e38))
+        optimizer = mirrored.ShardedOptimizer(model, huge)
+    ((xb, yb),) = strategy.experimental_distribute_dataset([(X[:16], Y[:16])])
+    before = _arrays(model, optimizer)
+    mirrored.debug.enable_check_numerics()
+    try:
+        strategy.run(train_step, args=(model, optimizer, xb, yb))
+    finally:
+        with pytest.raises(mirrored.debug.NonFiniteError, match="state") as raised:
+            mirrored.debug.disable_check_numerics()
+    assert "kernel" in str(raised.value) or "bias" in str(raised.value), raised.value
+    assert all(np.array_equal(a, b) for a, b in zip(before, _arrays(model, optimizer), strict=True))

@@ -77,6 +77,23 @@ def collect(
     return records, leaves, specs
 
 
+def gradients_of(records: Sequence[Deferred], grads: Sequence[Any]) -> list[Any]:
+    """The gradients each recorded update applies (without its keyword arguments)."""
+    found, offset = [], 0
+    for record in records:
+        gradients, _ = jax.tree.unflatten(
+            record.grads_treedef, grads[offset : offset + record.grads]
+        )
+        offset += record.grads
+        found.append(gradients)
+    return found
+
+
+def updated_slots(records: Sequence[Deferred]) -> list[int]:
+    """The state slots the recorded updates write (the model's and optimizers'), in order."""
+    return sorted({slot for record in records for slot in record.slots})
+
+
 def _shard_of(g: Any, spec: Any, n: int) -> Any:
     """This replica's part of gradient `g` as it leaves the step under `spec`: the sum of
     its shard over the replicas (a reduce-scatter) when each holds its own part of the sum,

@@ -225,20 +225,21 @@ def compile_step(
                 note = batch_norm.small_batch_warning(fn_name, *ctx.per_replica_norm, n)
                 target.notes[_fn_key(fn)] = note
                 logger.warning(note)
-        flags = None
-        if checking:
-            names = [*batch_names, *["the batch's mask"] * (len(split) - len(batch_names))]
-            flags, layout = numerics._finite_flags(
-                split, out, gradients, new_state, state_names, names
-            )
-            recorded["check"] = layout
-        # ShardedOptimizer updates: their gradients leave the step, whole, to be applied in
-        # the global view right after it (`deferred`).
+        # ShardedOptimizer updates: their gradients leave the step (whole, or each replica's
+        # shard), to be applied in the global view right after it (`deferred`).
         records, grads, specs = deferred.collect(ctx, fresh, fn_name, n, scatter)
         recorded["deferred"] = records
         if not scatter:  # the first trace: the gradients' layout, for the compiled one
             recorded["grad_specs"] = specs
             recorded["scatter"] = any(o.shard_gradients for o, *_ in ctx.deferred_updates)
+        flags = None
+        if checking:
+            names = [*batch_names, *["the batch's mask"] * (len(split) - len(batch_names))]
+            applied = [*gradients, *deferred.gradients_of(records, grads)]
+            flags, layout = numerics._finite_flags(
+                split, out, applied, new_state, state_names, names
+            )
+            recorded["check"] = layout
         return new_state, out, flags, grads
 
     def body(
@@ -333,26 +334,27 @@ def compile_step(
 
         def step(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
             new_state, outs, token, grads = mapped(state, split, rep)
-            if recorded.get("deferred"):  # ShardedOptimizer updates, in the global view
-                if checking:
-                    raise NotImplementedError(
-                        "check_numerics (and TerminateOnNaN) do not check a ShardedOptimizer's "
-                        f"update yet ({fn_name!r} makes one). Fix: debug with nnx.Optimizer "
-                        "(the same numbers), or turn the check off."
-                    )
-                new_state = deferred.apply(
-                    recorded["deferred"], new_state, grads, slot_specs, target.mesh
-                )
+            records = recorded.get("deferred")
+            if records and not checking:  # ShardedOptimizer updates, in the global view
+                new_state = deferred.apply(records, new_state, grads, slot_specs, target.mesh)
+            elif records:  # checked: a non-finite new value keeps the state as it was
+                applied = deferred.apply(records, new_state[:-1], grads, slot_specs, target.mesh)
+                inputs, layout = recorded["check"]
+                updated = deferred.updated_slots(records)
+                named = [s for s in updated if numerics._floating(applied[s])]
+                finite = jnp.stack([jnp.all(jnp.isfinite(applied[s])) for s in named] or [True])
+                failed = jnp.logical_or(new_state[-1], ~jnp.all(finite))
+                kept = zip(state[:-1], applied, strict=True)
+                new_state = [*(numerics._select(failed, o, a) for o, a in kept), failed]
+                # The updated values' flags join the step's, for the report of what failed.
+                rows = jnp.broadcast_to(finite[: len(named)], (outs[-1].shape[0], len(named)))
+                outs = [*outs[:-1], jnp.concatenate([outs[-1], rows], axis=1)]
+                layout = [*layout, *(("state", state_names[s]) for s in named)]
+                recorded["check"] = (inputs, layout)
             return new_state, outs, token
 
         if not per_step:
             return step
-        if checking:
-            raise NotImplementedError(
-                "check_numerics (and TerminateOnNaN) do not check strategy.run_steps with a "
-                f"ShardedOptimizer yet ({fn_name!r}). Fix: debug with nnx.Optimizer (the same "
-                "numbers), or turn the check off."
-            )
 
         def looped(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
             counts = rep[-1] if masked else None  # each step's real-example count
@@ -365,7 +367,8 @@ def compile_step(
 
             new_state, outs = jax.lax.scan(each, state, (split, counts), unroll=unrolled[0])
             # Stacked by step in front; the replicas' axis goes first, as in one program.
-            flags = (True,) * len(outs) if expand is None else expand
+            # (check_numerics' flags, last, are per replica too.)
+            flags = (True,) * len(outs) if expand is None else (*expand, *[True] * checking)
             outs = [jnp.moveaxis(o, 0, 1) if e else o for o, e in zip(outs, flags, strict=True)]
             return new_state, outs, jnp.zeros((), jnp.int32)
 
