@@ -517,13 +517,18 @@ def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     text = call.lower(*inputs).as_text()
-    count = text.count("all_reduce")
+    counts = {
+        "all-reduce": text.count("all_reduce"),
+        "reduce-scatter": text.count("reduce_scatter"),
+        "all-gather": text.count("all_gather"),
+    }
+    ops = ", ".join(f"{count} {op}" for op, count in counts.items() if count or op == "all-reduce")
     logger.info(
-        "Compiled %r as one SPMD program over %d replica(s) on axis %r: %d all-reduce "
-        "op(s) over %d replicas synchronise it.",
+        "Compiled %r as one SPMD program over %d replica(s) on axis %r: %s op(s) over %d "
+        "replicas synchronise it.",
         fn_name,
         n,
         REPLICA_AXIS,
-        count,
+        ops,
         n,
     )
