@@ -72,6 +72,31 @@ def test_a_logits_model_with_keras_default_from_logits_warns_once(strategy, capl
     assert len(warnings) == 1 and "look like logits" in warnings[0].getMessage()
 
 
+def test_the_first_batch_is_predicted_once_per_input_structure_and_labels_always_checked(
+    strategy, caplog
+):
+    """The logits look costs a predict and a wait: once per trainer and input structure (a
+    new batch size is the same structure); the labels of every fit are still checked."""
+    y = RNG.integers(0, 3, 77).astype(np.int32)
+    with strategy.scope():
+        model = Logistic(outputs=3, probabilities=False)
+        trainer = mirrored.Trainer(model, optax.sgd(0.1), "sparse_categorical_crossentropy")
+    predict, calls = trainer._predict_step, []
+    trainer._predict_step = lambda *args: calls.append(1) or predict(*args)
+    with caplog.at_level(logging.WARNING, logger="mirrored"):
+        trainer.fit(X, y, batch_size=16, verbose=0)
+        trainer.fit(X, y, batch_size=32, verbose=0)
+    assert len(calls) == 1
+    assert len([r for r in caplog.records if "from_logits=True" in r.getMessage()]) == 1
+    bad = y.copy()
+    bad[70] = 3
+    before = np.asarray(model.dense.kernel[...])
+    with pytest.raises(ValueError, match=r"labels in \[0, 3\).*found label 3"):
+        trainer.fit(X, bad, batch_size=16, verbose=0)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(np.asarray(model.dense.kernel[...]), before)
+
+
 def test_a_probability_model_does_not_warn(strategy, caplog):
     y = RNG.integers(0, 3, 77).astype(np.int32)
     with strategy.scope():

@@ -39,6 +39,11 @@ from mirrored._train.steps import _gathering, _plus_steps
 logger = logging.getLogger("mirrored")
 
 
+def _per_example(a: Any) -> tuple[int, ...]:
+    """The shape of one example of batch leaf `a` (its batch size left out)."""
+    return tuple(getattr(a, "shape", ())[1:])
+
+
 def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
     """`fit`, its NonFiniteError saying the epoch and batch of the step it names."""
 
@@ -79,6 +84,8 @@ class FitLoop:
     _eval_dataset: Callable[..., DistributedDataset]
     _run_eval: Callable[..., Any]
     _host_rows: Callable[..., Any]
+    # The prediction shape of each input structure whose first batch was looked at.
+    _predictions_seen: dict[Any, tuple[int, ...]]
     # A checked step's non-finite values, found right after it (a callback that
     # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
     _non_finite: _numerics.NonFiniteError | None
@@ -370,28 +377,38 @@ class FitLoop:
 
     def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
         """Keras' silent traps, on the first batch: logits given to a loss expecting
-        probabilities (a warning) and sparse labels outside the class range (an error)."""
+        probabilities (a warning) and sparse labels outside the class range (an error).
+
+        The predictions are looked at once per input structure (the first `fit` with it: a
+        predict and a wait for its result); later calls check their labels against the
+        prediction shape seen then, without a step or a wait."""
         if not isinstance(self.loss, _objectives.CROSSENTROPIES):
             return
         args = _batch_args(batch)
         if len(args) < 2:
             return
         x, y = args[0], args[1]
-        self.model.eval()  # no dropout draw, no BatchNorm update
-        try:  # unchecked: a non-finite batch is the training step's to report
-            with _numerics.checking(False):
-                out = self.strategy.run(self._predict_step, args=(self.model, x))
-        finally:
-            self.model.train()
-        if not isinstance(out, jax.Array | PerReplica):
-            return
-        y_pred = self._host_rows(out)
+        leaves, treedef = jax.tree.flatten(x)
+        key = (treedef, tuple((_per_example(a), str(getattr(a, "dtype", ""))) for a in leaves))
+        shape = self._predictions_seen.get(key)
+        warning = None
+        if shape is None:
+            self.model.eval()  # no dropout draw, no BatchNorm update
+            try:  # unchecked: a non-finite batch is the training step's to report
+                with _numerics.checking(False):
+                    out = self.strategy.run(self._predict_step, args=(self.model, x))
+            finally:
+                self.model.train()
+            if not isinstance(out, jax.Array | PerReplica):
+                return
+            y_pred = self._host_rows(out)
+            shape = self._predictions_seen[key] = tuple(np.shape(y_pred))
+            warning = _objectives.logits_warning(self.loss, y_pred)
         labels = all_labels if _is_arrays(all_labels) else y
         if isinstance(labels, PerReplica):
             labels = self.strategy.gather(labels, axis=0)
         if isinstance(labels, np.ndarray | jax.Array):
             host = jax.tree.map(to_host, labels)
-            _objectives.check_labels(self.loss, host, tuple(np.shape(y_pred)))
-        warning = _objectives.logits_warning(self.loss, y_pred)
+            _objectives.check_labels(self.loss, host, shape)
         if warning:
             logger.warning(warning)

@@ -206,6 +206,7 @@ class Trainer(FitLoop, Evaluation):
         self._interrupted = False
         self._non_finite = None
         self._dispatched = collections.deque(maxlen=4096)
+        self._predictions_seen = {}
 
     # -- state for checkpoints --------------------------------------------------------------
 
