@@ -194,7 +194,8 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, rep
 
     resident, history = run(4)
     assert resident._resident(X, Y, None, epochs=epochs) is not None
-    assert resident._resident(X, Y, None, epochs=replicas) is None  # too few epochs
+    # Placed once, the same arrays stay placed, whatever the epochs of the next fit.
+    assert resident._resident(X, Y, None, epochs=replicas) is not None
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")  # every batch from the host
     host, expected = run(4)
     assert host._resident(X, Y, None, epochs=epochs) is None
@@ -203,6 +204,46 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, rep
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "lots")
     with pytest.raises(ValueError, match="number of bytes"):
         resident._resident(X, Y, None, epochs=epochs)
+
+
+def test_arrays_placed_by_one_fit_stay_for_the_next_until_they_change(monkeypatch):
+    """Issue 39: a first fit of few epochs reads from the host and remembers the arrays; the
+    second fit over them places them, later ones reuse that copy (no transfer); new values at
+    the sampled rows, other arrays, or forget_data() place them anew. The numbers are the
+    host path's, fit after fit."""
+    x, y = X.copy(), Y.copy()
+
+    def trainer():
+        strategy = mirrored.MirroredStrategy(jax.devices())
+        with strategy.scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=4,
+            )
+
+    ours = trainer()
+    assert ours._resident(x, y, None, epochs=2) is None  # 2 epochs <= 8 replicas: the host
+    placed = ours._resident(x, y, None, epochs=2)  # the same arrays again: placed now
+    assert placed is not None and ours._resident(x, y, None, epochs=2) is placed
+    assert ours._resident(x.copy(), y, None, epochs=2) is None  # another array
+    x[0, 0] += 1.0  # a sampled row changed in place: placed anew (second time seen)
+    assert ours._resident(x, y, None, epochs=2) is None
+    assert ours._resident(x, y, None, epochs=2) is not placed
+    ours.forget_data()
+    assert ours._resident(x, y, None, epochs=2) is None
+    # Three fits, the last two from the devices, equal three fits from the host.
+    fresh = trainer()
+    histories = [fresh.fit(x, y, batch_size=64, epochs=2, verbose=0).history for _ in range(3)]
+    assert fresh._resident_data[1] is not None
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")
+    host = trainer()
+    expected = [host.fit(x, y, batch_size=64, epochs=2, verbose=0).history for _ in range(3)]
+    assert host._resident_data[1] is None
+    assert histories == expected
+    assert _max_diff(fresh.model, host.model) == 0.0
 
 
 class _TestHooks(mirrored.callbacks.Callback):

@@ -39,6 +39,18 @@ from mirrored._train.steps import _gathering, _plus_steps
 logger = logging.getLogger("mirrored")
 
 
+def _identity(given: Any, arrays: Any) -> tuple[Any, ...]:
+    """What says that `fit` was given the same training arrays again: the objects passed,
+    and each array's shape, dtype and values at up to 64 rows spread over it. An array
+    changed in place elsewhere must be passed as a new array (or `Trainer.forget_data()`)."""
+    objects = tuple(id(a) for a in jax.tree.leaves(given))
+    facts = []
+    for a in jax.tree.leaves(arrays):
+        rows = np.unique(np.linspace(0, len(a) - 1, num=min(64, len(a)), dtype=np.int64))
+        facts.append((a.shape, a.dtype.str, hash(np.ascontiguousarray(a[rows]).tobytes())))
+    return (objects, tuple(facts))
+
+
 def _per_example(a: Any) -> tuple[int, ...]:
     """The shape of one example of batch leaf `a` (its batch size left out)."""
     return tuple(getattr(a, "shape", ())[1:])
@@ -86,6 +98,8 @@ class FitLoop:
     _host_rows: Callable[..., Any]
     # The prediction shape of each input structure whose first batch was looked at.
     _predictions_seen: dict[Any, tuple[int, ...]]
+    # The training arrays last given to fit (`_identity`) and their copy on the devices.
+    _resident_data: tuple[Any, tuple[Any, ...] | None]
     # A checked step's non-finite values, found right after it (a callback that
     # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
     _non_finite: _numerics.NonFiniteError | None
@@ -327,12 +341,15 @@ class FitLoop:
     ) -> tuple[Any, ...] | None:
         """With `steps_per_execution` > 1, the training arrays placed on every device, or None
         to read batches from the host. From the host: one step per execution (measured: as
-        fast as from the devices), `epochs` ≤ the replica count (placing N copies up front
-        moves more than N epochs read, and measured slower), a dataset, several processes,
-        or arrays over `mirrored.config.device_data_bytes()`."""
+        fast as from the devices), a dataset, several processes, or arrays over
+        `mirrored.config.device_data_bytes()`.
+
+        Placed once, the arrays stay for the trainer's next `fit` on the same arrays (the
+        same objects, shapes and dtypes, and the same values at a sample of rows): the copy
+        is paid once, not per call. A first `fit` of `epochs` ≤ the replica count reads from
+        the host (placing N copies up front moves more than N epochs read; measured slower),
+        and the arrays are placed on the second `fit` over them."""
         if self.steps_per_execution == 1 or jax.process_count() > 1:
-            return None
-        if epochs <= self.strategy.num_replicas_in_sync:
             return None
         if not (_is_arrays(x) and _is_arrays(y)):
             return None
@@ -343,7 +360,16 @@ class FitLoop:
         if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes():
             return None
         _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
-        return tuple(jax.device_put(arrays, self.strategy._replicated))
+        key = _identity((x, y, sample_weight), arrays)
+        seen, placed = self._resident_data
+        if seen == key and placed is not None:
+            return placed  # type: ignore[no-any-return]
+        if epochs <= self.strategy.num_replicas_in_sync and seen != key:
+            self._resident_data = (key, None)  # placed if the next fit reads them again
+            return None
+        placed = tuple(jax.device_put(arrays, self.strategy._replicated))
+        self._resident_data = (key, placed)
+        return placed
 
     def _rows(self, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
         """The distributed batch of `data`'s rows `index` (a distributed index batch)."""
