@@ -18,7 +18,7 @@ from flax import nnx
 
 from mirrored._core import context as _context
 from mirrored._core.mesh import REPLICA_AXIS
-from mirrored._optim.sharded import ShardedOptimizer
+from mirrored._optim.sharded import ShardedOptimizer, update_only_if
 
 _POLICIES = {
     "float32": jnp.float32,
@@ -100,17 +100,6 @@ def _all_finite(tree: Any) -> jax.Array:
     if _context.is_varying(finite):
         finite = jax.lax.pmin(finite.astype(jnp.int32), REPLICA_AXIS) == 1
     return finite
-
-
-def update_only_if(finite: Any, optimizer: Any, model: Any, grads: Any, **kwargs: Any) -> None:
-    """`nnx.Optimizer.update(optimizer, model, grads)` where `finite`, else no change."""
-    # A snapshot of the values (nnx.state shares the live Variables).
-    before = jax.tree.map(lambda v: v, nnx.state((model, optimizer)))
-    nnx.Optimizer.update(optimizer, model, grads, **kwargs)
-    after = nnx.state((model, optimizer))
-    nnx.update(
-        (model, optimizer), jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before)
-    )
 
 
 class LossScaleOptimizer(nnx.Pytree):

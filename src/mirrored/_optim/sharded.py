@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -116,6 +117,15 @@ class ShardedOptimizer(nnx.Optimizer):  # type: ignore[type-arg]
         `only_if` (a LossScaleOptimizer's "every gradient is finite"), no change where False."""
         if only_if is None:
             return nnx.Optimizer.update(self, model, grads, **kwargs)
-        from mirrored._optim.mixed_precision import update_only_if
-
         return update_only_if(only_if, self, model, grads, **kwargs)
+
+
+def update_only_if(finite: Any, optimizer: Any, model: Any, grads: Any, **kwargs: Any) -> None:
+    """`nnx.Optimizer.update(optimizer, model, grads)` where `finite`, else no change."""
+    # A snapshot of the values (nnx.state shares the live Variables).
+    before = jax.tree.map(lambda v: v, nnx.state((model, optimizer)))
+    nnx.Optimizer.update(optimizer, model, grads, **kwargs)
+    after = nnx.state((model, optimizer))
+    nnx.update(
+        (model, optimizer), jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before)
+    )

@@ -281,12 +281,6 @@ class Runner:
         state = [*sorted_.state, self.latch()] if program.checked else sorted_.state
         return program.call.lower(state, *sorted_.with_mask())  # type: ignore[attr-defined]
 
-    def compiled_text(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-    ) -> str:
-        """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
-        return str(self.compiled(fn, args, kwargs).as_text())
-
     def compiled(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """The compiled program `run(fn, args, kwargs)` executes (nothing runs)."""
         return self.lowered(fn, args, kwargs).compile()

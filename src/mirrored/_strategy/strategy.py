@@ -214,7 +214,7 @@ class Strategy:
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> str:
         """The optimized HLO of the program `run(fn, args, kwargs)` executes (nothing runs)."""
-        return self._runner.compiled_text(fn, args, kwargs)
+        return str(self._runner.compiled(fn, args, kwargs).as_text())
 
     def run_steps(
         self,

@@ -14,22 +14,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrored._core import settings as config
 from mirrored._core.values import PerReplica, to_host
-from mirrored._data import batching as _batching
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._proof import profile as _profile
 from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
+from mirrored._train import resident as _resident
 from mirrored._train.batches import (
     _batch_args,
     _check_batch_size,
     _eager_when_asked,
     _is_arrays,
     _Logs,
-    _sample_weights,
     pass_position,
 )
 from mirrored._train.callbacks.base import Callback, History
@@ -37,18 +35,6 @@ from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
-
-
-def _identity(given: Any, arrays: Any) -> tuple[Any, ...]:
-    """What says that `fit` was given the same training arrays again: the objects passed,
-    and each array's shape, dtype and values at up to 64 rows spread over it. An array
-    changed in place elsewhere must be passed as a new array (or `Trainer.forget_data()`)."""
-    objects = tuple(id(a) for a in jax.tree.leaves(given))
-    facts = []
-    for a in jax.tree.leaves(arrays):
-        rows = np.unique(np.linspace(0, len(a) - 1, num=min(64, len(a)), dtype=np.int64))
-        facts.append((a.shape, a.dtype.str, hash(np.ascontiguousarray(a[rows]).tobytes())))
-    return (objects, tuple(facts))
 
 
 def _per_example(a: Any) -> tuple[int, ...]:
@@ -339,37 +325,18 @@ class FitLoop:
     def _resident(
         self, x: Any, y: Any, sample_weight: Any, *, epochs: int
     ) -> tuple[Any, ...] | None:
-        """With `steps_per_execution` > 1, the training arrays placed on every device, or None
-        to read batches from the host. From the host: one step per execution (measured: as
-        fast as from the devices), a dataset, several processes, or arrays over
-        `mirrored.config.device_data_bytes()`.
+        """The training arrays on the devices, or None to read batches from the host
+        (`mirrored._train.resident`)."""
+        return _resident.arrays_on_devices(self, x, y, sample_weight, epochs=epochs)
 
-        Placed once, the arrays stay for the trainer's next `fit` on the same arrays (the
-        same objects, shapes and dtypes, and the same values at a sample of rows): the copy
-        is paid once, not per call. A first `fit` of `epochs` ≤ the replica count reads from
-        the host (placing N copies up front moves more than N epochs read; measured slower),
-        and the arrays are placed on the second `fit` over them."""
-        if self.steps_per_execution == 1 or jax.process_count() > 1:
-            return None
-        if not (_is_arrays(x) and _is_arrays(y)):
-            return None
-        arrays: tuple[Any, ...] = (x, y)
-        if sample_weight is not None:
-            arrays = (x, y, _sample_weights(sample_weight, x))
-        arrays = jax.tree.map(_batching.as_host_array, arrays)
-        if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes():
-            return None
-        _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
-        key = _identity((x, y, sample_weight), arrays)
-        seen, placed = self._resident_data
-        if seen == key and placed is not None:
-            return placed  # type: ignore[no-any-return]
-        if epochs <= self.strategy.num_replicas_in_sync and seen != key:
-            self._resident_data = (key, None)  # placed if the next fit reads them again
-            return None
-        placed = tuple(jax.device_put(arrays, self.strategy._replicated))
-        self._resident_data = (key, placed)
-        return placed
+    def forget_data(self) -> None:
+        """Release the training arrays `fit` keeps on the devices between calls.
+
+        With `steps_per_execution` > 1, in-memory arrays placed on the devices stay there for
+        the next `fit` on the same arrays (recognised by the objects, shapes, dtypes and a
+        sample of rows). After changing such an array in place, call this (or pass a new
+        array) so the next `fit` places the new values."""
+        self._resident_data = (None, None)
 
     def _rows(self, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
         """The distributed batch of `data`'s rows `index` (a distributed index batch)."""

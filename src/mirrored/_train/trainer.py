@@ -206,8 +206,7 @@ class Trainer(FitLoop, Evaluation):
         self._interrupted = False
         self._non_finite = None
         self._dispatched = collections.deque(maxlen=4096)
-        self._predictions_seen = {}
-        self._resident_data = (None, None)
+        self._predictions_seen, self._resident_data = {}, (None, None)
 
     # -- state for checkpoints --------------------------------------------------------------
 
@@ -265,15 +264,6 @@ class Trainer(FitLoop, Evaluation):
         _learning_rate.write(self.optimizer, value)
 
     # -- data -------------------------------------------------------------------------------------
-
-    def forget_data(self) -> None:
-        """Release the training arrays `fit` keeps on the devices between calls.
-
-        With `steps_per_execution` > 1, in-memory arrays placed on the devices stay there for
-        the next `fit` on the same arrays (recognised by the objects, shapes, dtypes and a
-        sample of rows). After changing such an array in place, call this (or pass a new
-        array) so the next `fit` places the new values."""
-        self._resident_data = (None, None)
 
     def _dataset(
         self,
