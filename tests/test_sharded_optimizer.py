@@ -39,6 +39,23 @@ def _trained(devices, make, tx, epochs=4):
     return model, optimizer
 
 
+def _small_trainer(devices, build=None, **options):
+    """SmallMLP with Adam (or `build(model, adam)`, made in the scope) and a sparse
+    cross-entropy from logits, in a new strategy: (strategy, model, trainer)."""
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        tx = optax.adam(1e-2)
+        trainer = mirrored.Trainer(
+            model,
+            tx if build is None else build(model, tx),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            **options,
+        )
+    return strategy, model, trainer
+
+
 def _arrays(*objects):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(objects))]
 
@@ -119,17 +136,8 @@ def test_run_steps_and_steps_per_execution_loop_around_the_update(devices, make)
     goes around the per-replica program); ragged last chunk and batch included."""
     make = _zero2 if make == "zero2" else make
 
-    def fitted(build, **options):
-        strategy = mirrored.MirroredStrategy(devices)
-        with strategy.scope():
-            model = SmallMLP(rngs=nnx.Rngs(0))
-            trainer = mirrored.Trainer(
-                model,
-                build(model, optax.adam(1e-2)),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=3,
-            )
+    def fitted(build):
+        strategy, model, trainer = _small_trainer(devices, build, steps_per_execution=3)
         history = trainer.fit(X, Y, batch_size=24, epochs=2, shuffle=False, verbose=0)
         iterator = iter(strategy.experimental_distribute_dataset((X, Y), batch_size=16))
         losses = strategy.run_steps(train_step, iterator, steps=4, args=(model, trainer.optimizer))
@@ -152,17 +160,7 @@ def test_float16_loss_scaling_over_sharded_state_skips_as_the_mirrored_one(devic
     x[24:48] *= 3e4  # the second batch's scaled loss overflows
 
     def fitted(**options):
-        strategy = mirrored.MirroredStrategy(devices)
-        with strategy.scope():
-            model = SmallMLP(rngs=nnx.Rngs(0))
-            trainer = mirrored.Trainer(
-                model,
-                optax.adam(1e-2),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                policy="mixed_float16",
-                **options,
-            )
+        _, model, trainer = _small_trainer(devices, policy="mixed_float16", **options)
         trainer.fit(x, Y, batch_size=24, epochs=1, shuffle=False, verbose=0)
         return trainer.optimizer, _arrays(model, trainer.optimizer)
 
@@ -389,17 +387,7 @@ def test_terminate_on_nan_stops_before_the_bad_update_as_the_mirrored_run(
     x[48:72] = np.nan
 
     def fitted(**options):
-        strategy = mirrored.MirroredStrategy(devices)
-        with strategy.scope():
-            model = SmallMLP(rngs=nnx.Rngs(0))
-            trainer = mirrored.Trainer(
-                model,
-                optax.adam(1e-2),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=per_execution,
-                **options,
-            )
+        _, model, trainer = _small_trainer(devices, steps_per_execution=per_execution, **options)
         callback = mirrored.callbacks.TerminateOnNaN()
         trainer.fit(x, Y, batch_size=24, epochs=2, shuffle=False, callbacks=[callback], verbose=0)
         return trainer, _arrays(model, trainer.optimizer)
