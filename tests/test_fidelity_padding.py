@@ -333,7 +333,7 @@ def test_accumulation_all_reduces_the_gradients_once_per_update(strategies, n):
     trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     xb, yb = next(iter(strategy.experimental_distribute_dataset([(x[:16], y[:16])])))
     args = (model, trainer.optimizer, trainer._train_totals, trainer._stateful, trainer.rngs)
-    hlo = strategy._runner.compiled_text(trainer._train_step, (*args, xb, yb), {})
+    hlo = strategy._compiled_text(trainer._train_step, (*args, xb, yb), {})
     named, entry = _computations(hlo)
     reducing = {name for name, text in named.items() if "all-reduce" in text}
     assert reducing, "no all-reduce: the gradients were never combined"

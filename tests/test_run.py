@@ -245,7 +245,7 @@ def test_one_replica_steps_compile_without_an_all_reduce(devices, n):
         model = SmallMLP(rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     ((x, y),) = strategy.experimental_distribute_dataset(global_batches(1, 16))
-    text = strategy._runner.compiled_text(train_step, (model, optimizer, x, y), {})
+    text = strategy._compiled_text(train_step, (model, optimizer, x, y), {})
     assert (text.count("all-reduce(") == 0) == (n == 1)
 
     def totals(v):

@@ -463,3 +463,42 @@ def test_state_over_a_per_device_budget_when_mirrored_fits_under_it_when_sharded
 
     assert per_device(_replicated) == 2 * 2 * (64 * 64 + 64) * 4 + 4 > budget
     assert per_device(mirrored.ShardedOptimizer) == 2 * 2 * (64 * 64 + 64) * 4 // 8 + 4 <= budget
+
+
+class _Interrupt(mirrored.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted after the first epoch's backup")
+
+
+def test_a_sharded_fit_resumes_from_its_backup_and_its_checkpoint_restores_anywhere(
+    devices, tmp_path
+):
+    """BackupAndRestore: a fit interrupted after epoch 1 and run again equals one never
+    interrupted, to the bit; ModelCheckpoint's split state restores into a mirrored
+    nnx.Optimizer on one device with the same values."""
+    options = {"batch_size": 24, "epochs": 3, "shuffle": False, "verbose": 0}
+    backup = str(tmp_path / "backup")
+    _, _, first = _small_trainer(devices, shard_optimizer_state=True)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        first.fit(
+            X, Y, callbacks=[mirrored.callbacks.BackupAndRestore(backup), _Interrupt()], **options
+        )
+    _, model, resumed = _small_trainer(devices, shard_optimizer_state=True)
+    saves = mirrored.callbacks.ModelCheckpoint(str(tmp_path / "ckpt"))
+    resumed.fit(X, Y, callbacks=[mirrored.callbacks.BackupAndRestore(backup), saves], **options)
+    _, clean_model, clean = _small_trainer(devices, shard_optimizer_state=True)
+    clean.fit(X, Y, **options)
+    ours = _arrays(model, resumed.optimizer)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(ours, _arrays(clean_model, clean.optimizer), strict=True)
+    )
+    strategy = mirrored.MirroredStrategy(devices[:1])
+    with strategy.scope():
+        target = SmallMLP(rngs=nnx.Rngs(5))
+        target_optimizer = _replicated(target, optax.adam(1e-2))
+    assert mirrored.restore_checkpoint(tmp_path / "ckpt", target, target_optimizer) == 3
+    assert all(
+        np.array_equal(a, b) for a, b in zip(ours, _arrays(target, target_optimizer), strict=True)
+    )
