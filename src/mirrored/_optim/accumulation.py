@@ -11,6 +11,10 @@ Each replica sums its own (local, not yet all-reduced) gradients into its row of
 accumulator, which is per-replica state (one row per replica, split over them); the k-th
 micro-batch all-reduces the sums once and applies the update. The Trainer hands it local
 gradients (`local_gradients`); gradients already all-reduced are added by replica 0 only.
+
+Under a `ShardedOptimizer` (`per_replica=False`) the update runs in the global view on the
+summed gradients (each micro-batch all-reduces, or reduce-scatters, them as DeepSpeed's ZeRO
+does), and the accumulator is one sum split over the replicas like the rest of the state.
 """
 
 from __future__ import annotations
@@ -33,18 +37,19 @@ class AccumulationState(NamedTuple):
 
 
 def accumulate_by_examples(
-    inner: optax.GradientTransformation, every_k: int
+    inner: optax.GradientTransformation, every_k: int, *, per_replica: bool = True
 ) -> optax.GradientTransformationExtraArgs:
     """`inner` applied once per `every_k` calls, to the example-weighted mean of the gradients.
 
     Each `update(gradients, state, params, examples=n)` gives one micro-batch's mean
     gradient and its example count `n`; the first `every_k - 1` calls return zero updates,
-    the last the inner transformation's update of `Σ n_b g_b / Σ n_b`.
+    the last the inner transformation's update of `Σ n_b g_b / Σ n_b`. `per_replica`: one
+    row of sums per replica of the entered strategy (else one row: a ShardedOptimizer's).
     """
     inner = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> AccumulationState:
-        rows, sharding = _replica_rows()
+        rows, sharding = _replica_rows() if per_replica else (1, None)
         return AccumulationState(
             jnp.zeros((), jnp.int32),
             jax.tree.map(lambda p: _zero_rows(p, rows, sharding), params),

@@ -16,6 +16,7 @@ from mirrored._core import context as _context
 from mirrored._core.global_rows import first_replica, is_per_example, on_global_rows
 from mirrored._core.values import PerReplica
 from mirrored._optim.mixed_precision import LossScaleOptimizer
+from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
 from mirrored._train import objectives as _objectives
 
@@ -93,8 +94,12 @@ def _make_steps(
             return share, (y_pred, loss)
 
         # Accumulating: each replica keeps its own gradients (no all-reduce per micro-batch);
-        # the optimizer all-reduces their sums once per update.
-        local = _local_parameters(model) if accumulating else contextlib.nullcontext()
+        # the optimizer all-reduces their sums once per update. A ShardedOptimizer takes the
+        # summed gradients (its update, the accumulation included, is in the global view).
+        sharded = isinstance(getattr(optimizer, "optimizer", optimizer), ShardedOptimizer)
+        local = (
+            _local_parameters(model) if accumulating and not sharded else contextlib.nullcontext()
+        )
         scaled = isinstance(optimizer, LossScaleOptimizer)
         if scaled:  # float16: scale the loss up, the gradients back down, skip non-finite steps
 

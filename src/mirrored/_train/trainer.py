@@ -84,7 +84,8 @@ class Trainer(FitLoop, Evaluation):
         shard_optimizer_state: split the optimizer state over the replicas
             (`mirrored.ShardedOptimizer`, ZeRO stage 1): about 1/N of it per device, the
             replicated run's numbers (float16 loss scaling and `steps_per_execution`
-            included). `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within
+            included; with gradient accumulation, to float rounding: the accumulator is
+            split too). `"gradients"` (ZeRO-2) reduce-scatters the gradients too (within
             float rounding of the replicated run; not with float16 loss scaling).
 
     Example:
@@ -181,14 +182,9 @@ class Trainer(FitLoop, Evaluation):
             )
         self._names = names
         self.strategy._check_mirrored(model, "the model")
-        with self.strategy.scope():
-            self.optimizer = _build_optimizer(
-                model, optimizer, self.policy, global_clipnorm, gradient_accumulation_steps
-            )
-            if shard_optimizer_state is not False or isinstance(self.optimizer, ShardedOptimizer):
-                self.optimizer = _sharded(
-                    self.optimizer, shard_optimizer_state, self, gradient_accumulation_steps
-                )
+        self.optimizer = _optimizer_for(
+            self, optimizer, global_clipnorm, gradient_accumulation_steps, shard_optimizer_state
+        )
         self.strategy._check_mirrored(self.optimizer, "the optimizer")
         self._train_step, self._eval_step, self._predict_step = _make_steps(
             self.loss,
@@ -433,21 +429,28 @@ def _named_optimizer(optimizer: Any) -> Any:
     )
 
 
-def _sharded(optimizer: Any, shard: bool | str, trainer: Any, accumulation: int) -> Any:
-    """The Trainer's optimizer with its state split over the replicas (ZeRO-1)."""
+def _optimizer_for(
+    trainer: Any, optimizer: Any, clipnorm: float | None, accumulation: int, shard: bool | str
+) -> Any:
+    """The optimizer the Trainer steps, made in its strategy's scope: clipping, accumulation
+    and loss scaling as asked, its state split over the replicas when `shard` says so."""
     if shard not in (False, True, "gradients"):
         raise ValueError(
             "Expected shard_optimizer_state to be False, True (the optimizer state split over "
             f"the replicas) or 'gradients' (and the gradients); found {shard!r}. Fix: "
             "shard_optimizer_state=True."
         )
-    if accumulation > 1:
-        raise NotImplementedError(
-            "A sharded optimizer state does not accumulate gradients yet (each replica keeps "
-            "its own sums until the update); found gradient_accumulation_steps="
-            f"{accumulation}. Fix: gradient_accumulation_steps=1, or optax.MultiSteps(tx, k), "
-            "which a ShardedOptimizer runs."
+    with trainer.strategy.scope():
+        built = _build_optimizer(
+            trainer.model, optimizer, trainer.policy, clipnorm, accumulation, shard is not False
         )
+        if shard is not False or isinstance(built, ShardedOptimizer):
+            return _sharded(built, shard, trainer)
+        return built
+
+
+def _sharded(optimizer: Any, shard: bool | str, trainer: Any) -> Any:
+    """The Trainer's optimizer with its state split over the replicas (ZeRO-1)."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer
     if isinstance(optimizer, LossScaleOptimizer) and type(optimizer.optimizer) is nnx.Optimizer:
@@ -478,8 +481,10 @@ def _build_optimizer(
     policy: Policy,
     global_clipnorm: float | None,
     accumulation: int,
+    sharded: bool = False,
 ) -> Any:
-    """The optimizer the Trainer steps: clipping, accumulation and loss scaling as asked."""
+    """The optimizer the Trainer steps: clipping, accumulation and loss scaling as asked
+    (`sharded`: a ShardedOptimizer will take it over, whose accumulator is not per replica)."""
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(
             f"Expected gradient_accumulation_steps to be a positive int; found {accumulation!r}. "
@@ -507,7 +512,7 @@ def _build_optimizer(
         # replica clips the same global gradient by the same global norm.
         tx = optax.chain(optax.clip_by_global_norm(global_clipnorm), tx)
     if accumulation > 1:  # weighted by examples: one step on the k-times larger batch
-        tx = accumulate_by_examples(tx, accumulation)
+        tx = accumulate_by_examples(tx, accumulation, per_replica=not sharded)
     if policy.needs_loss_scaling:
         return LossScaleOptimizer(model, tx)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
