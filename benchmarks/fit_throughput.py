@@ -4,7 +4,10 @@ Same model, data and Adam in one process, 1 and N simulated devices. `fit` runs 
 tracking (exact global sums, read once per epoch) on (a) batches already on the devices, like
 the other two, (b) in-memory arrays through the input fast path, and (c) the same arrays with
 `steps_per_execution=K` (K steps per compiled program, one dispatch per K). Prints JSON;
-ratios are against plain JAX (its batches already on the devices).
+ratios are against plain JAX (its batches already on the devices), and the `*_over_hand`
+ratios against a hand-written plain-JAX loop fed from the same NumPy arrays (issue 39's
+bar: per step it shuffles, gathers the batch rows, `device_put`s them and calls the step,
+two steps in flight), with the noise band: the spread of the hand loop's own rounds.
 
     python benchmarks/fit_throughput.py [--devices 8] [--steps 200] [--steps-per-execution 32]
 """
@@ -24,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default="seed_mlp,wide_mlp")
     parser.add_argument("--steps-per-execution", type=int, default=32)
     args = parser.parse_args()
@@ -57,6 +60,26 @@ def main() -> None:
 
                 start = time.perf_counter()
                 jax.block_until_ready(run_bounded(steps, once, n))
+                return time.perf_counter() - start
+
+            hand_step, hand_params, hand_opt, hand_sharding = plain_jax_step(devices, hidden)
+            hand = {"params": hand_params, "opt": hand_opt, "epoch": 0}
+
+            def run_hand(
+                hand=hand, step=hand_step, x=x_all, y=y_all, batch=batch, n=n, to=hand_sharding
+            ) -> float:
+                """The hand loop from NumPy arrays, one shuffled epoch (as fit's default)."""
+                start = time.perf_counter()
+                hand["epoch"] += 1
+                order = np.random.default_rng(hand["epoch"]).permutation(len(x))
+
+                def once(index: int) -> object:
+                    rows = order[index * batch : (index + 1) * batch]
+                    xb, yb = jax.device_put(x[rows], to), jax.device_put(y[rows], to)
+                    hand["params"], hand["opt"], loss = step(hand["params"], hand["opt"], xb, yb)
+                    return loss
+
+                jax.block_until_ready(run_bounded(len(x) // batch, once, n))
                 return time.perf_counter() - start
 
             strategy = mirrored.MirroredStrategy(devices)
@@ -99,6 +122,7 @@ def main() -> None:
 
             runs = {
                 "plain": run_plain,
+                "hand": run_hand,
                 "loop": run_loop,
                 "fit": run_fit_placed,
                 "fit_arrays": run_fit_arrays,
@@ -125,6 +149,14 @@ def main() -> None:
                 "steps_per_execution": args.steps_per_execution,
                 "fit_from_arrays_multi_step_examples_per_s": round(eps["fit_multi"]),
                 "fit_from_arrays_multi_step_ratio": round(eps["fit_multi"] / eps["plain"], 3),
+                "hand_loop_examples_per_s": round(eps["hand"]),
+                "fit_from_arrays_over_hand": round(eps["fit_arrays"] / eps["hand"], 3),
+                "fit_multi_step_over_hand": round(eps["fit_multi"] / eps["hand"], 3),
+                "hand_noise_band": [
+                    round(min(times["hand"]) / statistics.median(times["hand"]) - 1, 3),
+                    round(max(times["hand"]) / statistics.median(times["hand"]) - 1, 3),
+                ],
+                "rounds": args.repeats,
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

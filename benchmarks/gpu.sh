@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should measure, in one command (under 8 minutes on one GPU):
 # installs mirrored with the CUDA extra, runs the checks that need an accelerator, `mirrored
-# doctor`, `mirrored bench` and the step, fit and mixed-precision benchmarks on the GPU, and
+# doctor`, `mirrored bench` and the step, fit, mixed-precision and ZeRO benchmarks on the GPU, and
 # writes one JSON.
 #
 #     benchmarks/gpu.sh [OUT.json]           # default: $OUT/gpu.json, else ./gpu.json
@@ -19,10 +19,12 @@ if [[ "${MIRRORED_GPU_DRY_RUN:-0}" == 1 ]]; then
     python=.venv/bin/python
     flag=(--allow-cpu)
     bench_devices=(--devices 2)
+    zero_devices=(--devices 2 --rounds 1 --steps 3)
 else
     python=.venv-gpu/bin/python
     flag=()
     bench_devices=()
+    zero_devices=(--accelerator)
     if [[ ! -x $python ]]; then
         python3 -m venv --system-site-packages .venv-gpu
     fi
@@ -57,12 +59,16 @@ step bench 120 "$bin/mirrored" bench --json --steps 20 "${bench_devices[@]}"
 step step_overhead 60 "$python" benchmarks/step_overhead.py --devices 1 --steps 200 --repeats 3
 step fit_throughput 90 "$python" benchmarks/fit_throughput.py --devices 1 --repeats 3
 step mixed_precision 60 "$python" benchmarks/mixed_precision.py --devices 1
+# ZeRO on the GPU(s): at N = 1 ShardedOptimizer must equal nnx.Optimizer bitwise at >= 0.98x
+# its step time; peak_bytes_in_use recorded.
+step zero 90 "$python" benchmarks/zero.py "${zero_devices[@]}"
 
 "$python" - "$work" "$out" <<'PY'
 import json, pathlib, platform, sys
 work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 report = {"machine": platform.node()}
-for name in ("checks", "doctor", "bench", "step_overhead", "fit_throughput", "mixed_precision"):
+names = ("checks", "doctor", "bench", "step_overhead", "fit_throughput", "mixed_precision", "zero")
+for name in names:
     text = (work / f"{name}.json").read_text()
     try:
         report[name] = json.loads(text)
