@@ -1,5 +1,6 @@
 """Input distribution: every source, exact ragged batches, prefetch, InputContext."""
 
+import gc
 import subprocess
 import sys
 import threading
@@ -271,6 +272,28 @@ def test_prefetch_runs_ahead_on_a_background_thread(strategy):
             break
         threading.Event().wait(0.01)
     assert produced == ["mirrored-prefetch"] * 4
+
+
+def test_an_iterator_dropped_unfinished_stops_its_prefetch_thread(strategy):
+    """Before: the thread held its Prefetcher, which was never collected; every abandoned
+    iterator left a thread waking 20 times a second for the life of the process."""
+
+    def prefetching():
+        return {t for t in threading.enumerate() if t.name == "mirrored-prefetch"}
+
+    before = prefetching()
+    options = mirrored.InputOptions(experimental_per_replica_buffer_size=1)
+    for _ in range(3):
+        for _batch in strategy.experimental_distribute_dataset(
+            np.ones((64, 2)), options, batch_size=8
+        ):
+            break  # 8 batches: the buffer is full and the thread waits to put the next one
+    gc.collect()
+    for _ in range(200):
+        if not prefetching() - before:
+            break
+        threading.Event().wait(0.01)
+    assert not prefetching() - before
 
 
 _BREAK_SCRIPT = """

@@ -20,6 +20,26 @@ class _Failure:
         self.error = error
 
 
+def _put(box: queue.Queue[Any], stop: threading.Event, item: Any) -> bool:
+    while not stop.is_set():
+        try:
+            box.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _work(items: Iterator[Any], box: queue.Queue[Any], stop: threading.Event) -> None:
+    try:
+        for item in items:
+            if not _put(box, stop, item):
+                return
+        _put(box, stop, _END)
+    except BaseException as error:  # handed to the consumer, raised there
+        _put(box, stop, _Failure(error))
+
+
 class Prefetcher(Generic[T]):
     """Runs `items` on a daemon thread, keeping at most `depth` finished items waiting.
 
@@ -32,25 +52,10 @@ class Prefetcher(Generic[T]):
         self._stop = threading.Event()
         self._done = False
         self.starved_s = 0.0  # time the consumer waited on an empty buffer: input too slow
-        self._thread = background.start(self._work, "mirrored-prefetch", self._stop, (items,))
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self, items: Iterator[T]) -> None:
-        try:
-            for item in items:
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as error:  # handed to the consumer, raised there
-            self._put(_Failure(error))
+        # The thread holds the queue and the event, not `self`: a consumer that drops the
+        # iterator unfinished lets it be collected, and __del__ stops the thread.
+        work = (items, self._queue, self._stop)
+        self._thread = background.start(_work, "mirrored-prefetch", self._stop, work)
 
     def __iter__(self) -> Prefetcher[T]:
         return self
