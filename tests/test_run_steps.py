@@ -246,6 +246,67 @@ def test_arrays_placed_by_one_fit_stay_for_the_next_until_they_change(monkeypatc
     assert _max_diff(fresh.model, host.model) == 0.0
 
 
+class _EpochEnds(mirrored.callbacks.Callback):
+    def __init__(self, events):
+        self.events = events
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.events.append(("end", epoch))
+
+
+@pytest.mark.parametrize(("replicas", "k"), [(8, 4), (1, 1)])
+def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch, replicas, k):
+    """Issue 39 item 1: from in-memory arrays, epoch e+1's iterator (and its prefetch thread)
+    starts before epoch e's logs are read, not after its callbacks; the batches are the same
+    (a shuffled fit of 3 epochs equals 3 fits of one epoch each, which read nothing ahead),
+    validation data and sample weights included."""
+    from mirrored._data.input import DistributedDataset
+
+    events = []
+    original = DistributedDataset.epoch_iterator
+
+    def recorded(self, epoch, *, skip=0):
+        events.append(("iter", epoch, self))
+        return original(self, epoch, skip=skip)
+
+    monkeypatch.setattr(DistributedDataset, "epoch_iterator", recorded)
+    weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+    options = {"batch_size": 64, "sample_weight": weights, "seed": 5, "verbose": 0}
+    options["validation_data"] = (X[:40], Y[:40])
+
+    def trainer():
+        strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+        with strategy.scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                ["accuracy"],
+                from_logits=True,
+                steps_per_execution=k,
+            )
+
+    ahead = trainer()
+    history = ahead.fit(X, Y, epochs=3, callbacks=[_EpochEnds(events)], **options).history
+    training = events[0][2]  # made first; the validation set's iterators are left out
+    assert [e[:2] for e in events if e[0] == "end" or e[2] is training] == [
+        ("iter", 1),
+        ("iter", 2),
+        ("end", 0),
+        ("iter", 3),
+        ("end", 1),
+        ("end", 2),
+    ]
+    one_by_one = trainer()
+    expected: dict = {}
+    for epoch in range(3):
+        step = one_by_one.fit(X, Y, initial_epoch=epoch, epochs=epoch + 1, **options).history
+        for name, values in step.items():
+            expected.setdefault(name, []).extend(values)
+    assert history == expected
+    assert _max_diff(ahead.model, one_by_one.model) == 0.0
+
+
 class _TestHooks(mirrored.callbacks.Callback):
     def __init__(self):
         self.ends = []

@@ -224,6 +224,11 @@ class FitLoop:
         # data (batches [0, 1], [2, 3], [4], then a new pass), not from its start every epoch.
         length = source_length(train) if steps_per_epoch is not None else None
         current: tuple[int, Iterator[Any]] | None = None  # the pass being read, its batches
+        # In-memory arrays: the next epoch's batches start being prepared (the prefetch
+        # thread) before this epoch's logs are read, so its first program waits for none of
+        # them. Its order depends only on the epoch number: the same batches as when made later.
+        ahead: Iterator[Any] | None = None
+        read_ahead = (data is not None or _is_arrays(x)) and length is None and steps is not None
         self.model.train()
         self._non_finite = None
         # check_numerics, if on, raises instead (the error it was asked for).
@@ -237,7 +242,8 @@ class FitLoop:
             skip = first_step if epoch == first_epoch else 0
             epoch_steps = steps
             if length is None or steps is None:
-                batches = train.epoch_iterator(epoch + 1, skip=skip)
+                batches = ahead if ahead is not None else train.epoch_iterator(epoch + 1, skip=skip)
+                ahead = None
             else:
                 data_pass, position = pass_position(epoch, steps, length)
                 if current is None or current[0] != data_pass:
@@ -281,6 +287,8 @@ class FitLoop:
                     steps,
                     epoch + 1,
                 )
+            if read_ahead and epoch + 1 < epochs and not self.stop_training:
+                ahead = train.epoch_iterator(epoch + 2)
             logs = self._read(self._train_totals)
             if validation_data is not None:
                 dataset = self._eval_dataset(validation_data, batch_size)
