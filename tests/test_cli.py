@@ -147,6 +147,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
         ["time_to_first_step.py", "--models", "seed_mlp", "--scripts", "run", "--repeats", "1"],
         ["gpu_checks.py", "--allow-cpu"],  # benchmarks/gpu.sh's checks, on 8 CPU devices
+        ["zero.py", "--rounds", "1", "--steps", "2", "--models", "seed_mlp"],  # gpu.sh's too
         [
             "debugging.py",
             "--devices",

@@ -56,6 +56,13 @@ def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _rows(strategy: Any, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
+    """The distributed batch of `data`'s rows `index` (a distributed index batch)."""
+    rows = np.asarray(strategy.gather(index, axis=0))
+    host = jax.tree.map(lambda a: np.asarray(a)[rows], data)
+    return tuple(next(iter(strategy.experimental_distribute_dataset([host]))))
+
+
 class FitLoop:
     """The training half of `Trainer`: `fit` and its epoch loop."""
 
@@ -224,9 +231,8 @@ class FitLoop:
         # data (batches [0, 1], [2, 3], [4], then a new pass), not from its start every epoch.
         length = source_length(train) if steps_per_epoch is not None else None
         current: tuple[int, Iterator[Any]] | None = None  # the pass being read, its batches
-        # In-memory arrays: the next epoch's batches start being prepared (the prefetch
-        # thread) before this epoch's logs are read, so its first program waits for none of
-        # them. Its order depends only on the epoch number: the same batches as when made later.
+        # In-memory arrays, one pass an epoch: the next epoch's batches are prepared (its
+        # prefetch thread) before this epoch's logs are read; their order depends on the epoch.
         ahead: Iterator[Any] | None = None
         read_ahead = (data is not None or _is_arrays(x)) and length is None and steps is not None
         self.model.train()
@@ -267,7 +273,7 @@ class FitLoop:
                 if per_step:
                     callback_list.on_train_batch_begin(step, logs={})
                 if epoch == first_epoch and step == first_step:
-                    first = chunk[0] if data is None else self._rows(data, chunk[0][0])
+                    first = chunk[0] if data is None else _rows(self.strategy, data, chunk[0][0])
                     if not _is_arrays(x):  # arrays were checked before anything began
                         _arguments.check_model_input(self.model, first[0], self.rngs, "fit")
                     self._check_first_batch(first, y)
@@ -345,12 +351,6 @@ class FitLoop:
         sample of rows). After changing such an array in place, call this (or pass a new
         array) so the next `fit` places the new values."""
         self._resident_data = (None, None)
-
-    def _rows(self, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
-        """The distributed batch of `data`'s rows `index` (a distributed index batch)."""
-        rows = np.asarray(self.strategy.gather(index, axis=0))
-        host = jax.tree.map(lambda a: np.asarray(a)[rows], data)
-        return tuple(next(iter(self.strategy.experimental_distribute_dataset([host]))))
 
     def _train_on(self, chunk: list[tuple[Any, ...]], data: tuple[Any, ...] | None) -> None:
         """Train on the batches of `chunk`: one `run` per batch, or all in one program;
