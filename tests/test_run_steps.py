@@ -169,6 +169,20 @@ def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
         _fit(8, lambda: optax.sgd(0.1), 0)
 
 
+def _adam_trainer(replicas, k):
+    """The SmallMLP Trainer (Adam, accuracy) on the first `replicas` devices, K steps a program."""
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    with strategy.scope():
+        return mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(0)),
+            optax.adam(0.01),
+            "sparse_categorical_crossentropy",
+            ["accuracy"],
+            from_logits=True,
+            steps_per_execution=k,
+        )
+
+
 @pytest.mark.parametrize(("replicas", "epochs"), [(1, 2), (8, 9)])
 def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, replicas, epochs):
     """steps_per_execution > 1, for more epochs than replicas, gathers batches from arrays
@@ -177,16 +191,7 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, rep
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
 
     def run(k):
-        strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
-        with strategy.scope():
-            trainer = mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(0)),
-                optax.adam(0.01),
-                "sparse_categorical_crossentropy",
-                ["accuracy"],
-                from_logits=True,
-                steps_per_execution=k,
-            )
+        trainer = _adam_trainer(replicas, k)
         history = trainer.fit(
             X, Y, batch_size=64, epochs=epochs, sample_weight=weights, seed=3, verbose=0
         ).history
@@ -274,19 +279,7 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
     options = {"batch_size": 64, "sample_weight": weights, "seed": 5, "verbose": 0}
     options["validation_data"] = (X[:40], Y[:40])
 
-    def trainer():
-        strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
-        with strategy.scope():
-            return mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(0)),
-                optax.adam(0.01),
-                "sparse_categorical_crossentropy",
-                ["accuracy"],
-                from_logits=True,
-                steps_per_execution=k,
-            )
-
-    ahead = trainer()
+    ahead = _adam_trainer(replicas, k)
     history = ahead.fit(X, Y, epochs=3, callbacks=[_EpochEnds(events)], **options).history
     training = events[0][2]  # made first; the validation set's iterators are left out
     assert [e[:2] for e in events if e[0] == "end" or e[2] is training] == [
@@ -297,7 +290,7 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
         ("end", 1),
         ("end", 2),
     ]
-    one_by_one = trainer()
+    one_by_one = _adam_trainer(replicas, k)
     expected: dict = {}
     for epoch in range(3):
         step = one_by_one.fit(X, Y, initial_epoch=epoch, epochs=epoch + 1, **options).history
