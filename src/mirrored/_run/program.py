@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -75,6 +76,8 @@ class CompileTarget(Protocol):
     notes: dict[Any, str]  # what a step function's first trace found worth saying
 
     def latch(self) -> jax.Array: ...
+
+    def bound_dispatch(self, token: jax.Array) -> None: ...
 
 
 def compile_step(
@@ -283,7 +286,6 @@ def compile_step(
                 scan_step,
                 (list(state), jnp.zeros((), bool) if failed is None else failed),
                 (split, mask, count),
-                unroll=unrolled[0],
             )
             rows = None  # outputs are stacked by step, not by example
             grads = []
@@ -303,7 +305,6 @@ def compile_step(
             new_state = [*new_state, failed]
         return new_state, outs, jnp.zeros((), jnp.int32), grads
 
-    unrolled = [False]  # run_steps' scan, unrolled (below: convolutions on CPU)
     # K steps: every split input carries the step on its leading axis, the batch on the next.
     split_spec = SPLIT if steps is None else PartitionSpec(None, REPLICA_AXIS)
 
@@ -319,15 +320,18 @@ def compile_step(
 
     # run_steps with a ShardedOptimizer among the arguments: its update runs in the global
     # view after each step, so the K steps loop around the per-replica program, not in it.
+    # `dispatched` (below: convolutions on CPU): the loop runs on the host, one program a step.
     per_step = steps is not None and bool(sorted_.sharded)
+    dispatched = [False]
 
     def program(expand: Any, out_specs: Any) -> Any:
         # ZeRO-2's gradients leave the step split (the compiled trace; the first, whole).
         grad_specs = REPLICATED if expand is None else recorded.get("grad_specs") or REPLICATED
+        one_at_a_time = per_step or dispatched[0]  # the program runs one step's inputs
         mapped = jax.shard_map(
-            lambda s, d, r: body(s, d, r, expand=expand, per_step=per_step),
+            lambda s, d, r: body(s, d, r, expand=expand, per_step=one_at_a_time),
             mesh=target.mesh,
-            in_specs=(state_specs, SPLIT if per_step else split_spec, REPLICATED),
+            in_specs=(state_specs, SPLIT if one_at_a_time else split_spec, REPLICATED),
             out_specs=(state_specs, out_specs, REPLICATED, grad_specs),
             check_vma=True,
         )
@@ -353,8 +357,11 @@ def compile_step(
                 recorded["check"] = (inputs, layout)
             return new_state, outs, token
 
-        if not per_step:
+        if not one_at_a_time:
             return step
+        if dispatched[0]:
+            one = jax.jit(step, donate_argnums=0 if target.donate else ())
+            return _dispatched_steps(target, one, masked, expand, checking)
 
         def looped(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
             counts = rep[-1] if masked else None  # each step's real-example count
@@ -365,7 +372,7 @@ def compile_step(
                 new, outs, _ = step(carry, split_k, [*fixed, count_k] if masked else fixed)
                 return new, outs
 
-            new_state, outs = jax.lax.scan(each, state, (split, counts), unroll=unrolled[0])
+            new_state, outs = jax.lax.scan(each, state, (split, counts))
             # Stacked by step in front; the replicas' axis goes first, as in one program.
             # (check_numerics' flags, last, are per replica too.)
             flags = (True,) * len(outs) if expand is None else (*expand, *[True] * checking)
@@ -419,15 +426,25 @@ def compile_step(
 
     call = jitted()
     # XLA:CPU runs a convolution inside a loop dozens of times slower than outside one
-    # (measured: a small CNN step 8 ms alone, 419 ms in a scan, 8 ms fully unrolled):
-    # such a program gets its K steps unrolled (compiling takes longer instead).
+    # (measured: a small CNN step 8 ms alone, 419 ms in a scan); fully unrolled, K steps of
+    # it run at 0.74x of K separate programs at one device (1.01x at eight) and take K times
+    # as long to compile. Such a program's K steps run as K dispatches of one step's program.
     if (
         steps is not None
+        and not per_step
         and target.mesh.devices.flat[0].platform == "cpu"
         and "convolution" in call.lower(state, split, rep).as_text()
     ):
-        unrolled[0] = True
-        call = jitted()
+        dispatched[0] = True
+        call = program(varying, out_specs)
+        logger.info(
+            "run_steps(%s, steps=%d): convolutions run slower inside one XLA:CPU program "
+            "than in separate ones; its %d steps run as %d calls of one step's program.",
+            fn_name,
+            steps,
+            steps,
+            steps,
+        )
     if not target.logged:
         target.logged = True
         _log_first_program(n, fn_name, call, state, split, rep)
@@ -532,3 +549,44 @@ def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
         ops,
         n,
     )
+
+
+def _dispatched_steps(
+    target: CompileTarget, one: Any, masked: bool, expand: Any, checking: bool
+) -> Callable[..., Any]:
+    """`run_steps`' K steps as K calls of `one` (a compiled step on one step's inputs), with
+    the inputs, outputs and state of the K-step program: split inputs and (masked) counts
+    stacked on a leading step axis in, outputs stacked by step (replica axis first) out."""
+
+    def call(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
+        counts = rep[-1] if masked else None
+        fixed = rep[:-1] if masked else rep
+        each_step = _unstack(tuple(split), counts)
+        outs_by_step = []
+        token = jnp.zeros((), jnp.int32)
+        for split_k, count_k in each_step:
+            state, outs, token = one(state, list(split_k), [*fixed, count_k] if masked else fixed)
+            outs_by_step.append(outs)
+            target.bound_dispatch(token)
+        flags = (True,) * len(outs_by_step[0]) if expand is None else (*expand, *[True] * checking)
+        return state, _stack_outputs(outs_by_step, flags), token
+
+    return call
+
+
+@jax.jit
+def _unstack(split: tuple[Any, ...], counts: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """Each step's split inputs (and real-example count) of inputs stacked by step."""
+    steps = split[0].shape[0]
+    return [
+        (tuple(s[k] for s in split), None if counts is None else counts[k]) for k in range(steps)
+    ]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_outputs(outs_by_step: list[list[Any]], per_replica: tuple[bool, ...]) -> list[Any]:
+    """K steps' outputs stacked by step: after the replica axis for per-replica outputs."""
+    return [
+        jnp.stack(column, axis=1 if p else 0)
+        for column, p in zip(zip(*outs_by_step, strict=True), per_replica, strict=True)
+    ]
