@@ -136,8 +136,26 @@ def main():
         strategy.run(train_step, args=(unseeded, unseeded_optimizer, x, y))
     np.savez(os.path.join(args.out, f"unseeded.{rank}.npz"), **flat(unseeded))
 
+    # 5. K steps per execution from in-memory arrays (read from the host on several
+    # processes: K batches gathered at once, each process its rows), sample weights, ragged.
+    with strategy.scope():
+        chunked = SmallMLP(rngs=nnx.Rngs(0))
+        per_k = mirrored.Trainer(
+            chunked,
+            optax.adam(0.01),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            steps_per_execution=3,
+        )
+    weights = np.linspace(0.5, 1.5, 190).astype(np.float32)
+    x = np.concatenate([b[0] for b in global_batches(4, 50, seed=1)])[:190]
+    y = np.concatenate([b[1] for b in global_batches(4, 50, seed=1)])[:190]
+    k_history = per_k.fit(x, y, batch_size=32, sample_weight=weights, verbose=0)
+
     if strategy.is_chief:
         arrays = {f"loop/{k}": v for k, v in loop.items()}
+        arrays.update({f"fit_k3/{k}": v for k, v in flat(chunked).items()})
+        arrays["fit_k3_loss"] = np.asarray(k_history.history["loss"])
         arrays.update({f"unseeded/{k}": v for k, v in flat(unseeded).items()})
         arrays["dff_counts"] = np.asarray(counts)
         arrays["dff_means"] = np.asarray(means)

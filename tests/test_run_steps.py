@@ -316,6 +316,66 @@ def test_arrays_placed_by_one_fit_stay_for_the_next_until_they_change(monkeypatc
     assert _max_diff(fresh.model, host.model) == 0.0
 
 
+@pytest.mark.parametrize("processes", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize(("rows", "shuffle"), [(230, True), (190, False)])
+def test_chunks_hold_the_batches_rows_padding_and_masks(processes, rows, shuffle):
+    """Issue 39 item 2: K batches gathered at once hold exactly `array_batches`' batches (rows,
+    order, padding copies, masks, real counts), from batch `skip` on, for each process of two
+    (190 rows at 60: process 1 holds only padding in the last batch), in aligned buffers."""
+    from mirrored._data.chunks import ALIGNMENT, array_chunks
+    from mirrored._data.input import array_batches
+
+    x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    arrays = {"x": x, "y": np.arange(rows, dtype=np.int32)}
+    common = {"batch_size": 60, "shuffle": shuffle, "seed": 3, "epoch": 2, "num_replicas": 8}
+    batches = list(array_batches(arrays, drop_remainder=False, processes=processes, **common))
+    chunks = list(array_chunks(arrays, steps=2, skip=1, processes=processes, **common))
+    assert [len(c.reals) for c in chunks] == [2, 1]  # 4 batches, from the second, 2 at a time
+    stepped = [(c, k) for c in chunks for k in range(len(c.reals))]
+    for batch, (chunk, k) in zip(batches[1:], stepped, strict=True):
+        assert chunk.treedef == batch.treedef and chunk.size == batch.size == 64
+        assert chunk.reals[k] == batch.real
+        np.testing.assert_array_equal(chunk.mask[k], batch.mask)
+        for leaf, expected in zip(chunk.leaves, batch.leaves, strict=True):
+            np.testing.assert_array_equal(leaf[k], expected)
+            assert leaf.ctypes.data % ALIGNMENT == 0
+    assert batches[-1].real < 60  # the ragged last batch was among them
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_fit_gathers_k_batches_at_once_from_the_host_with_the_same_numbers(monkeypatch, replicas):
+    """K steps per execution from the host (a first fit of one epoch: nothing kept on the
+    devices) gather and place K batches at once; the numbers are those of the K batches
+    placed one by one, bit for bit, and of one step per execution, a batch size that the
+    replicas do not divide (padded), the ragged last batch, sample weights and validation
+    included."""
+    from mirrored._data.input import DistributedDataset
+
+    used = []
+    chunks = DistributedDataset.epoch_chunks
+
+    def recorded(self, epoch, steps, *, skip=0):
+        used.append(steps)
+        return chunks(self, epoch, steps, skip=skip)
+
+    weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+    options = {"batch_size": 60, "sample_weight": weights, "seed": 5, "verbose": 0}
+    options["validation_data"] = (X[:40], Y[:40])
+    monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded)
+    at_once = _adam_trainer(replicas, 3)
+    history = at_once.fit(X, Y, epochs=1, **options).history
+    assert used == [3]
+    monkeypatch.setattr(DistributedDataset, "epoch_chunks", lambda *a, **k: None)
+    one_by_one = _adam_trainer(replicas, 3)
+    assert one_by_one.fit(X, Y, epochs=1, **options).history == history
+    assert _max_diff(at_once.model, one_by_one.model) == 0.0
+    stepwise = _adam_trainer(replicas, 1)
+    expected = stepwise.fit(X, Y, epochs=1, **options).history
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=0, atol=1e-6)
+    assert _max_diff(at_once.model, stepwise.model) <= 1e-6
+
+
 class _EpochEnds(mirrored.callbacks.Callback):
     def __init__(self, events):
         self.events = events
@@ -333,13 +393,18 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
     from mirrored._data.input import DistributedDataset
 
     events = []
-    original = DistributedDataset.epoch_iterator
+    iterator, chunks = DistributedDataset.epoch_iterator, DistributedDataset.epoch_chunks
 
     def recorded(self, epoch, *, skip=0):
         events.append(("iter", epoch, self))
-        return original(self, epoch, skip=skip)
+        return iterator(self, epoch, skip=skip)
+
+    def recorded_chunks(self, epoch, steps, *, skip=0):  # K > 1 from the host: K at once
+        events.append(("iter", epoch, self))
+        return chunks(self, epoch, steps, skip=skip)
 
     monkeypatch.setattr(DistributedDataset, "epoch_iterator", recorded)
+    monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded_chunks)
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
     options = {"batch_size": 64, "sample_weight": weights, "seed": 5, "verbose": 0}
     options["validation_data"] = (X[:40], Y[:40])

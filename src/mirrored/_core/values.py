@@ -171,3 +171,27 @@ def to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class StackedBatches:
+    """K distributed batches already stacked on a leading step axis: `strategy.run_steps`'
+    inputs as they are (each leaf (K, global batch, ...), split over the replicas on its
+    second axis; the K masks likewise; the K real-example counts replicated).
+
+    A distributed dataset of in-memory arrays yields these from `epoch_chunks` (`fit` with
+    `steps_per_execution`): one transfer per leaf for K batches. `run_steps` takes one when
+    the iterator yields it, in place of K batches."""
+
+    __slots__ = ("count", "first", "leaves", "mask", "treedef")
+
+    def __init__(
+        self, treedef: Any, leaves: list[jax.Array], mask: jax.Array, count: jax.Array, first: Any
+    ) -> None:
+        self.treedef = treedef
+        self.leaves = leaves
+        self.mask = mask
+        self.count = count
+        self.first = first  # the first batch, as the iterator of single batches yields it
+
+    def __len__(self) -> int:
+        return int(self.mask.shape[0])

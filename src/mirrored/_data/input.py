@@ -21,6 +21,7 @@ import numpy as np
 from mirrored._core import heartbeat as _heartbeat
 from mirrored._core.values import PerReplica
 from mirrored._data import batching as _batching
+from mirrored._data import chunks as _chunks
 from mirrored._data.prefetch import Prefetcher
 
 if TYPE_CHECKING:
@@ -249,10 +250,12 @@ class DistributedDataset:
         *,
         length: int | None,
         options: InputOptions | None,
+        chunks: Callable[..., Iterator[_chunks.HostChunk]] | None = None,
     ) -> None:
         self._strategy = strategy
         self._n = strategy.num_replicas_in_sync
         self._batches = batches
+        self._chunks = chunks  # in-memory arrays: K batches gathered at once (`epoch_chunks`)
         self._length = length
         self._options = options or InputOptions()
         self._epoch = 0
@@ -336,6 +339,20 @@ class DistributedDataset:
             # Across processes, placing from a second thread can reorder work between the
             # processes' device threads and stall a collective; place on the calling thread.
             placed = Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
+        return _InputPhase(placed)
+
+    def epoch_chunks(self, epoch: int, steps: int, *, skip: int = 0) -> Iterator[Any] | None:
+        """Epoch `epoch`'s batches (as `epoch_iterator`'s, from batch `skip` on), `steps` at a
+        time as `StackedBatches` for `strategy.run_steps`: each chunk gathered on the host in
+        one aligned buffer per leaf and placed in one transfer. None for a source other than
+        in-memory arrays given with `batch_size`, or one that drops its ragged remainder."""
+        if self._chunks is None:
+            return None
+        host = self._chunks(epoch, steps, skip)
+        place = functools.partial(_chunks.place, self._strategy, self._processes, self._masks)
+        placed: Iterator[Any] = map(place, host)
+        if self._options.experimental_fetch_to_device and self._processes == 1:
+            placed = Prefetcher(placed, 2)  # two chunks ahead: K batches each
         return _InputPhase(placed)
 
 
@@ -488,6 +505,19 @@ def distribute_dataset(
             ),
             length=steps,
             options=options,
+            chunks=None
+            if drop_remainder
+            else lambda epoch, k, skip: _chunks.array_chunks(
+                arrays,
+                batch_size=batch_size,
+                steps=k,
+                shuffle=shuffle,
+                seed=seed,
+                epoch=epoch,
+                skip=skip,
+                num_replicas=n,
+                processes=processes,
+            ),
         )
     if shuffle:
         raise ValueError(

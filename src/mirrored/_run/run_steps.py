@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._core.mesh import REPLICA_AXIS
-from mirrored._core.values import is_per_replica
+from mirrored._core.values import StackedBatches, is_per_replica
 from mirrored._run.arguments import _Sorted, sort_leaves, state_as_arguments
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def stacked_steps(
     fn: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
-    batches: list[Any],
+    batches: list[Any] | StackedBatches,
 ) -> Steps:
     """The inputs of `len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program."""
     fn, args = state_as_arguments(fn, args)
@@ -51,7 +51,10 @@ def stacked_steps(
             "value that differs per replica cannot stay fixed over several steps.\n"
             "Fix: let the iterator yield it with each batch, or call strategy.run per step."
         )
-    calls = [(*args, *(b if isinstance(b, tuple) else (b,))) for b in batches]
+    ready = batches if isinstance(batches, StackedBatches) else None
+    # K batches already stacked: the first one gives the structure.
+    singles = [batches.first] if isinstance(batches, StackedBatches) else batches
+    calls = [(*args, *(b if isinstance(b, tuple) else (b,))) for b in singles]
     leaves, first = jax.tree.flatten((calls[0], kwargs), is_leaf=_is_leaf)
     treedef: Any = first
     sorted_ = sort_leaves(placement, leaves, calls[0], kwargs)
@@ -72,6 +75,8 @@ def stacked_steps(
             column.append(value)
         masks.append(step.mask)
         counts.append(step.count)
+    if ready is not None:
+        return _stacked_inputs(fn, calls[0], leaves, treedef, sorted_, ready)
     masked = any(m is not None for m in masks)
     stacked = _stack_steps(columns, masks if masked else [], counts if masked else [], strategy)
     split, rep = (
@@ -80,6 +85,27 @@ def stacked_steps(
         else (stacked[0], sorted_.rep)
     )
     return Steps(fn, calls[0], leaves, treedef, sorted_, masked, (split, rep))
+
+
+def _stacked_inputs(
+    fn: Callable[..., Any],
+    first: Sequence[Any],
+    leaves: list[Any],
+    treedef: Any,
+    sorted_: _Sorted,
+    batches: StackedBatches,
+) -> Steps:
+    """`Steps` of K batches placed already stacked (`StackedBatches`): their leaves, masks and
+    counts are the program's inputs as they are."""
+    if len(sorted_.split) != len(batches.leaves):
+        raise ValueError(
+            "strategy.run_steps expected the batches and mirrored state as its only "
+            f"inputs; found {len(sorted_.split) - len(batches.leaves)} other distributed "
+            "value(s). Fix: pass the state in args and the batches from the iterator."
+        )
+    split = [*batches.leaves, batches.mask]
+    rep = [*sorted_.rep, batches.count]
+    return Steps(fn, first, leaves, treedef, sorted_, True, (split, rep))
 
 
 def _stack_steps(

@@ -22,7 +22,7 @@ from mirrored._core import hooks
 from mirrored._core import settings as config
 from mirrored._core.global_rows import RealRowsNeeded
 from mirrored._core.leaves import is_leaf as _is_leaf
-from mirrored._core.values import PerReplica
+from mirrored._core.values import PerReplica, StackedBatches
 from mirrored._nnx import batch_norm
 from mirrored._run import agreement, dispatch, numerics
 from mirrored._run import guard as _fastpath
@@ -196,7 +196,7 @@ class Runner:
         fn: Callable[..., Any],
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        batches: list[Any],
+        batches: list[Any] | StackedBatches,
     ) -> Any:
         """`len(batches)` steps of `fn(*args, *batch, **kwargs)` in one program (`run_steps`)."""
         steps = stacked_steps(self.placement, self.strategy, fn, args, kwargs, batches)

@@ -18,7 +18,7 @@ from mirrored._core import lowering as _lowering
 from mirrored._core import mesh as _mesh
 from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
-from mirrored._core.values import PerReplica, ReduceOp, ValueContext
+from mirrored._core.values import PerReplica, ReduceOp, StackedBatches, ValueContext
 from mirrored._data import input as _input
 from mirrored._run import hang
 from mirrored._run.runner import Runner
@@ -269,9 +269,13 @@ class Strategy:
                 "are bound per call of strategy.run). Fix: call strategy.run per step, or "
                 "use model.fit, whose steps_per_execution Keras handles."
             )
-        batches = list(itertools.islice(iterator, steps))
+        batches: Any = list(itertools.islice(iterator, 1))
         if not batches:
             return None
+        if isinstance(batches[0], StackedBatches):  # a dataset's `epoch_chunks`: K steps
+            batches = batches[0]
+        else:
+            batches += itertools.islice(iterator, steps - 1)
         out = self._runner.call_steps(fn, args, kwargs or {}, batches)
         return () if out is None else out  # steps ran: never None, which means "exhausted"
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mirrored._core.values import PerReplica, to_host
+from mirrored._core.values import PerReplica, StackedBatches, to_host
 from mirrored._data.input import DistributedDataset, source_length
 from mirrored._proof import profile as _profile
 from mirrored._run import numerics as _numerics
@@ -37,6 +37,10 @@ from mirrored._train.steps import _gathering, _plus_steps
 logger = logging.getLogger("mirrored")
 
 
+# An execution's batches: a list of K batches, or K batches placed stacked.
+Chunk = list[tuple[Any, ...]] | StackedBatches
+
+
 def _per_example(a: Any) -> tuple[int, ...]:
     """The shape of one example of batch leaf `a` (its batch size left out)."""
     return tuple(getattr(a, "shape", ())[1:])
@@ -54,6 +58,28 @@ def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
             raise self._in_fit_terms(error) from None
 
     return wrapped
+
+
+def _epoch_batches(train: DistributedDataset, epoch: int, skip: int, steps: int) -> Iterator[Any]:
+    """Epoch `epoch`'s batches from batch `skip` on; with `steps` > 0 and in-memory arrays,
+    `steps` at a time, each chunk gathered and placed at once (`epoch_chunks`)."""
+    chunks = train.epoch_chunks(epoch, steps, skip=skip) if steps else None
+    return chunks if chunks is not None else train.epoch_iterator(epoch, skip=skip)
+
+
+def _next_chunk(batches: Iterator[Any], size: int) -> Chunk:
+    """The next `size` batches (fewer at the end), or the K stacked ones `batches` yields."""
+    chunk = list(itertools.islice(batches, 1))
+    if chunk and isinstance(chunk[0], StackedBatches):
+        return chunk[0]  # type: ignore[no-any-return]
+    return [_batch_args(b) for b in itertools.chain(chunk, itertools.islice(batches, size - 1))]
+
+
+def _first_of(chunk: Chunk, strategy: Any, data: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """The first batch of `chunk` (with `data` on the devices, its rows of `data`)."""
+    if isinstance(chunk, StackedBatches):
+        return _batch_args(chunk.first)
+    return chunk[0] if data is None else _rows(strategy, data, chunk[0][0])
 
 
 def _rows(strategy: Any, data: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
@@ -235,6 +261,9 @@ class FitLoop:
         # prefetch thread) before this epoch's logs are read; their order depends on the epoch.
         ahead: Iterator[Any] | None = None
         read_ahead = (data is not None or _is_arrays(x)) and length is None and steps is not None
+        # From the host, K steps per execution: K batches gathered and placed at once.
+        k = self.steps_per_execution
+        chunked = k if k > 1 and _is_arrays(x) and data is None and not checked else 0
         self.model.train()
         self._non_finite = None
         # check_numerics, if on, raises instead (the error it was asked for).
@@ -248,7 +277,9 @@ class FitLoop:
             skip = first_step if epoch == first_epoch else 0
             epoch_steps = steps
             if length is None or steps is None:
-                batches = ahead if ahead is not None else train.epoch_iterator(epoch + 1, skip=skip)
+                batches = (
+                    ahead if ahead is not None else _epoch_batches(train, epoch + 1, skip, chunked)
+                )
                 ahead = None
             else:
                 data_pass, position = pass_position(epoch, steps, length)
@@ -261,19 +292,15 @@ class FitLoop:
                 # Keras' steps_per_execution: K steps in one program; the batch hooks see the
                 # first step of each execution begin and the last one end.
                 size = self.steps_per_execution
+                size = size if epoch_steps is None else min(size, epoch_steps - step)
                 with jax.profiler.TraceAnnotation(_profile.INPUT):  # the host waits for data
-                    chunk = [
-                        _batch_args(b)
-                        for b in itertools.islice(
-                            batches, size if epoch_steps is None else min(size, epoch_steps - step)
-                        )
-                    ]
+                    chunk = _next_chunk(batches, size)
                 if not chunk:
                     break
                 if per_step:
                     callback_list.on_train_batch_begin(step, logs={})
                 if epoch == first_epoch and step == first_step:
-                    first = chunk[0] if data is None else _rows(self.strategy, data, chunk[0][0])
+                    first = _first_of(chunk, self.strategy, data)
                     if not _is_arrays(x):  # arrays were checked before anything began
                         _arguments.check_model_input(self.model, first[0], self.rngs, "fit")
                     self._check_first_batch(first, y)
@@ -294,7 +321,7 @@ class FitLoop:
                     epoch + 1,
                 )
             if read_ahead and epoch + 1 < epochs and not self.stop_training:
-                ahead = train.epoch_iterator(epoch + 2)
+                ahead = _epoch_batches(train, epoch + 2, 0, chunked)
             logs = self._read(self._train_totals)
             if validation_data is not None:
                 dataset = self._eval_dataset(validation_data, batch_size)
@@ -310,7 +337,7 @@ class FitLoop:
 
     def _train_checked(
         self,
-        chunk: list[tuple[Any, ...]],
+        chunk: Chunk,
         data: tuple[Any, ...] | None,
         epoch: int,
         step: int,
@@ -352,7 +379,7 @@ class FitLoop:
         array) so the next `fit` places the new values."""
         self._resident_data = (None, None)
 
-    def _train_on(self, chunk: list[tuple[Any, ...]], data: tuple[Any, ...] | None) -> None:
+    def _train_on(self, chunk: Chunk, data: tuple[Any, ...] | None) -> None:
         """Train on the batches of `chunk`: one `run` per batch, or all in one program;
         with `data` on the devices, the batches are index batches into it."""
         state = (self.model, self.optimizer)
@@ -362,7 +389,7 @@ class FitLoop:
             train_step, additions_step = _gathering(train_step), _gathering(additions_step)
             rows = (data,)
         if self.steps_per_execution == 1:
-            (batch,) = chunk
+            (batch,) = chunk  # type: ignore[misc]  # one batch: never stacked
             self._train_totals = self.strategy.run(
                 train_step,
                 args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
@@ -370,7 +397,7 @@ class FitLoop:
             return
         additions = self.strategy.run_steps(
             additions_step,
-            iter(chunk),
+            iter([chunk] if isinstance(chunk, StackedBatches) else chunk),
             steps=len(chunk),
             args=(*state, self._stateful, self.rngs, *rows),
         )
