@@ -345,7 +345,8 @@ def test_chunks_hold_the_batches_rows_padding_and_masks(processes, rows, shuffle
 @pytest.mark.parametrize("replicas", [8, 1])
 def test_fit_gathers_k_batches_at_once_from_the_host_with_the_same_numbers(monkeypatch, replicas):
     """K steps per execution from the host (a first fit of one epoch: nothing kept on the
-    devices) gather and place K batches at once; the numbers are those of the K batches
+    devices) gather and place K batches at once, for training, validation and `evaluate`;
+    the numbers are those of the K batches
     placed one by one, bit for bit, and of one step per execution, a batch size that the
     replicas do not divide (padded), the ragged last batch, sample weights and validation
     included."""
@@ -364,11 +365,13 @@ def test_fit_gathers_k_batches_at_once_from_the_host_with_the_same_numbers(monke
     monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded)
     at_once = _adam_trainer(replicas, 3)
     history = at_once.fit(X, Y, epochs=1, **options).history
-    assert used == [3]
+    evaluated = at_once.evaluate(X, Y, batch_size=60, sample_weight=weights)
+    assert used == [3, 3, 3]  # training, validation, evaluate
     monkeypatch.setattr(DistributedDataset, "epoch_chunks", lambda *a, **k: None)
     one_by_one = _adam_trainer(replicas, 3)
     assert one_by_one.fit(X, Y, epochs=1, **options).history == history
     assert _max_diff(at_once.model, one_by_one.model) == 0.0
+    assert one_by_one.evaluate(X, Y, batch_size=60, sample_weight=weights) == evaluated
     stepwise = _adam_trainer(replicas, 1)
     expected = stepwise.fit(X, Y, epochs=1, **options).history
     for name, values in expected.items():

@@ -4,16 +4,20 @@ the logs they hand callbacks."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from mirrored._core import settings as config
-from mirrored._core.values import PerReplica, is_per_replica
+from mirrored._core.values import PerReplica, StackedBatches, is_per_replica
+
+if TYPE_CHECKING:
+    from mirrored._data.input import DistributedDataset
 
 logger = logging.getLogger("mirrored")
 
@@ -69,6 +73,10 @@ class _Placed:
     def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
         del epoch
         return iter(self._batches[skip:])
+
+    def epoch_chunks(self, epoch: int, steps: int, *, skip: int = 0) -> None:
+        """Placed already: one at a time (`DistributedDataset.epoch_chunks`)."""
+        del epoch, steps, skip
 
 
 def pass_position(epoch: int, steps: int, batches: int) -> tuple[int, int]:
@@ -142,3 +150,27 @@ def _ratio(total: float, count: float) -> float:
 
 def _has_per_replica(value: Any) -> bool:
     return any(is_per_replica(v) for v in jax.tree.leaves(value, is_leaf=is_per_replica))
+
+
+# An execution's batches: a list of K batches, or K batches placed stacked.
+Chunk = list[tuple[Any, ...]] | StackedBatches
+
+
+def _epoch_batches(train: DistributedDataset, epoch: int, skip: int, steps: int) -> Iterator[Any]:
+    """Epoch `epoch`'s batches from batch `skip` on; with `steps` > 0 and in-memory arrays,
+    `steps` at a time, each chunk gathered and placed at once (`epoch_chunks`)."""
+    chunks = train.epoch_chunks(epoch, steps, skip=skip) if steps else None
+    return chunks if chunks is not None else train.epoch_iterator(epoch, skip=skip)
+
+
+def _next_chunk(batches: Iterator[Any], size: int) -> Chunk:
+    """The next `size` batches (fewer at the end), or the K stacked ones `batches` yields."""
+    chunk = list(itertools.islice(batches, 1))
+    if chunk and isinstance(chunk[0], StackedBatches):
+        return chunk[0]  # type: ignore[no-any-return]
+    return [_batch_args(b) for b in itertools.chain(chunk, itertools.islice(batches, size - 1))]
+
+
+def _steps_of(chunk: Chunk) -> Iterator[Any]:
+    """`chunk` as `strategy.run_steps`' iterator: its batches, or its one stacked item."""
+    return iter([chunk] if isinstance(chunk, StackedBatches) else chunk)

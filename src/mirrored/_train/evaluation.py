@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,11 +15,13 @@ from mirrored._data.input import DistributedDataset, source_length
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
 from mirrored._train.batches import (
-    _batch_args,
     _eager_when_asked,
+    _epoch_batches,
     _has_per_replica,
     _is_arrays,
     _Logs,
+    _next_chunk,
+    _steps_of,
 )
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.callback_list import CallbackList
@@ -67,22 +68,21 @@ class Evaluation:
         self.model.eval()
         totals = self._zeros()
         self._reset_metrics()
-        batches = dataset.epoch_iterator(1)
+        k = self.steps_per_execution  # in-memory arrays: K batches gathered at once
+        batches = _epoch_batches(dataset, 1, 0, k if k > 1 else 0)
         step = 0
         # steps_per_execution: K evaluation steps in one program, hooks every K steps (Keras).
-        while chunk := [
-            _batch_args(b) for b in itertools.islice(batches, self.steps_per_execution)
-        ]:
+        while chunk := _next_chunk(batches, k):
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
-            if self.steps_per_execution == 1:
+            if isinstance(chunk, list) and k == 1:  # never stacked at K = 1
                 totals = self.strategy.run(
                     self._eval_step, args=(self.model, totals, self._stateful, *chunk[0])
                 )
             else:
                 additions = self.strategy.run_steps(
                     self._eval_additions,
-                    iter(chunk),
+                    _steps_of(chunk),
                     steps=len(chunk),
                     args=(self.model, self._stateful),
                 )

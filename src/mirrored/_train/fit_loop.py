@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,11 +22,15 @@ from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
 from mirrored._train import resident as _resident
 from mirrored._train.batches import (
+    Chunk,
     _batch_args,
     _check_batch_size,
     _eager_when_asked,
+    _epoch_batches,
     _is_arrays,
     _Logs,
+    _next_chunk,
+    _steps_of,
     pass_position,
 )
 from mirrored._train.callbacks.base import Callback, History
@@ -35,10 +38,6 @@ from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
-
-
-# An execution's batches: a list of K batches, or K batches placed stacked.
-Chunk = list[tuple[Any, ...]] | StackedBatches
 
 
 def _per_example(a: Any) -> tuple[int, ...]:
@@ -58,21 +57,6 @@ def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
             raise self._in_fit_terms(error) from None
 
     return wrapped
-
-
-def _epoch_batches(train: DistributedDataset, epoch: int, skip: int, steps: int) -> Iterator[Any]:
-    """Epoch `epoch`'s batches from batch `skip` on; with `steps` > 0 and in-memory arrays,
-    `steps` at a time, each chunk gathered and placed at once (`epoch_chunks`)."""
-    chunks = train.epoch_chunks(epoch, steps, skip=skip) if steps else None
-    return chunks if chunks is not None else train.epoch_iterator(epoch, skip=skip)
-
-
-def _next_chunk(batches: Iterator[Any], size: int) -> Chunk:
-    """The next `size` batches (fewer at the end), or the K stacked ones `batches` yields."""
-    chunk = list(itertools.islice(batches, 1))
-    if chunk and isinstance(chunk[0], StackedBatches):
-        return chunk[0]  # type: ignore[no-any-return]
-    return [_batch_args(b) for b in itertools.chain(chunk, itertools.islice(batches, size - 1))]
 
 
 def _first_of(chunk: Chunk, strategy: Any, data: tuple[Any, ...] | None) -> tuple[Any, ...]:
@@ -397,7 +381,7 @@ class FitLoop:
             return
         additions = self.strategy.run_steps(
             additions_step,
-            iter([chunk] if isinstance(chunk, StackedBatches) else chunk),
+            _steps_of(chunk),
             steps=len(chunk),
             args=(*state, self._stateful, self.rngs, *rows),
         )
