@@ -322,7 +322,7 @@ def test_chunks_hold_the_batches_rows_padding_and_masks(processes, rows, shuffle
     """Issue 39 item 2: K batches gathered at once hold exactly `array_batches`' batches (rows,
     order, padding copies, masks, real counts), from batch `skip` on, for each process of two
     (190 rows at 60: process 1 holds only padding in the last batch), in aligned buffers."""
-    from mirrored._data.chunks import ALIGNMENT, array_chunks
+    from mirrored._data.chunks import ALIGNMENT, array_chunks, gather
     from mirrored._data.input import array_batches
 
     x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
@@ -336,10 +336,42 @@ def test_chunks_hold_the_batches_rows_padding_and_masks(processes, rows, shuffle
         assert chunk.treedef == batch.treedef and chunk.size == batch.size == 64
         assert chunk.reals[k] == batch.real
         np.testing.assert_array_equal(chunk.mask[k], batch.mask)
-        for leaf, expected in zip(chunk.leaves, batch.leaves, strict=True):
+        blocks = gather(chunk, 0, 32 if processes[0] == 2 else 64)
+        for leaf, expected in zip(blocks, batch.leaves, strict=True):
             np.testing.assert_array_equal(leaf[k], expected)
             assert leaf.ctypes.data % ALIGNMENT == 0
     assert batches[-1].real < 60  # the ragged last batch was among them
+
+
+def test_a_chunk_buffer_is_reused_only_once_no_array_uses_it(monkeypatch):
+    """On CPU an aligned block is placed without a copy: the device array reads the buffer.
+    The buffer is refilled for a later chunk only after that device array is gone; K batches
+    over `CHUNK_BYTES` are read one batch at a time instead."""
+    import gc
+
+    from mirrored._data import chunks
+
+    monkeypatch.setattr(chunks, "_BUFFERS", chunks._Buffers(keep_bytes=2**20))
+    host = chunks.aligned_empty((4, 16), np.float32)
+    host[:] = 1.0
+    placed = jax.device_put(host, jax.devices()[0])
+    assert placed.unsafe_buffer_pointer() == host.ctypes.data  # no copy: the same memory
+    del host
+    gc.collect()
+    again = chunks.aligned_empty((4, 16), np.float32)  # a new buffer: the old one is in use
+    again[:] = 2.0
+    assert float(placed.sum()) == 64.0
+    del placed, again
+    gc.collect()
+    reused = chunks.aligned_empty((4, 16), np.float32)
+    assert chunks._BUFFERS._kept == 4 * 16 * 4  # one back in the pool, one handed out again
+    del reused
+
+    strategy = mirrored.MirroredStrategy(jax.devices()[:2])
+    dataset = strategy.experimental_distribute_dataset((X, Y), batch_size=64)
+    assert dataset.epoch_chunks(1, 4) is not None
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4 * 64 * X[0].nbytes)  # labels tip it over
+    assert dataset.epoch_chunks(1, 4) is None
 
 
 @pytest.mark.parametrize("replicas", [8, 1])

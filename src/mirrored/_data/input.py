@@ -250,7 +250,7 @@ class DistributedDataset:
         *,
         length: int | None,
         options: InputOptions | None,
-        chunks: Callable[..., Iterator[_chunks.HostChunk]] | None = None,
+        chunks: Callable[..., Iterator[_chunks.HostChunk] | None] | None = None,
     ) -> None:
         self._strategy = strategy
         self._n = strategy.num_replicas_in_sync
@@ -345,10 +345,13 @@ class DistributedDataset:
         """Epoch `epoch`'s batches (as `epoch_iterator`'s, from batch `skip` on), `steps` at a
         time as `StackedBatches` for `strategy.run_steps`: each chunk gathered on the host in
         one aligned buffer per leaf and placed in one transfer. None for a source other than
-        in-memory arrays given with `batch_size`, or one that drops its ragged remainder."""
+        in-memory arrays given with `batch_size`, one that drops its ragged remainder, or K
+        batches over `chunks.CHUNK_BYTES`."""
         if self._chunks is None:
             return None
-        host = self._chunks(epoch, steps, skip)
+        host = self._chunks(epoch, steps, skip)  # None: K batches are over `CHUNK_BYTES`
+        if host is None:
+            return None
         place = functools.partial(_chunks.place, self._strategy, self._processes, self._masks)
         placed: Iterator[Any] = map(place, host)
         if self._options.experimental_fetch_to_device and self._processes == 1:
@@ -507,7 +510,7 @@ def distribute_dataset(
             options=options,
             chunks=None
             if drop_remainder
-            else lambda epoch, k, skip: _chunks.array_chunks(
+            else lambda epoch, k, skip: _chunks.bounded_chunks(
                 arrays,
                 batch_size=batch_size,
                 steps=k,
