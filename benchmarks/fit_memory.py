@@ -21,7 +21,7 @@ import sys
 
 CASES = {
     "1 step per execution": {"k": 1, "device_data": None},
-    "32 steps, arrays kept on the devices": {"k": 32, "device_data": None},
+    "32 steps, arrays kept on the devices": {"k": 32, "device_data": str(2**30)},
     "32 steps, read from the host": {"k": 32, "device_data": "0"},
 }
 

@@ -75,6 +75,50 @@ def main() -> None:
         )
     print(json.dumps(results), file=sys.stderr, flush=True)
 
+    # Issue 39: the input path alone (no compute), CPU seconds (all threads) and wall seconds
+    # of one epoch: fit's per-batch path and its K-at-once chunks (steps_per_execution=32)
+    # against a hand loop's input (per step: gather the batch's rows, device_put them).
+    input_only = []
+    for n in sorted({1, args.devices}):
+        sub = mirrored.MirroredStrategy(jax.devices()[:n])
+        data = sub.experimental_distribute_dataset((x, y), batch_size=args.batch, shuffle=True)
+        order = np.random.default_rng(1).permutation(args.rows)
+
+        def hand(sub=sub, order=order) -> None:
+            last = None
+            for start in range(0, args.rows, args.batch):
+                rows = order[start : start + args.batch]
+                last = jax.device_put((x[rows], y[rows]), sub._split)
+            jax.block_until_ready(last)
+
+        def per_batch(data=data) -> None:
+            last = None
+            for batch in data.epoch_iterator(1):  # only the last kept, as a training loop
+                last = batch[0].global_value
+            jax.block_until_ready(last)
+
+        def chunked(data=data) -> None:
+            last = None
+            for chunk in data.epoch_chunks(1, 32):
+                last = chunk.leaves
+            jax.block_until_ready(last)
+
+        costs = {}
+        for name, run in {"hand": hand, "per_batch": per_batch, "chunks": chunked}.items():
+            rounds = []
+            for _ in range(args.repeats + 1):
+                wall, cpu = time.perf_counter(), time.process_time()
+                run()
+                rounds.append((time.process_time() - cpu, time.perf_counter() - wall))
+            costs[name] = statistics.median(r[0] for r in rounds[1:])  # the first warms up
+            costs[name + "_wall"] = statistics.median(r[1] for r in rounds[1:])
+        row = {"devices": n, **{k: round(v, 4) for k, v in costs.items()}}
+        row["per_batch_cpu_over_hand"] = round(costs["per_batch"] / costs["hand"], 3)
+        row["chunks_cpu_over_hand"] = round(costs["chunks"] / costs["hand"], 3)
+        input_only.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    results["input_only_epoch_seconds"] = input_only
+
     # Training fed by the fast path vs by batches already on the devices.
 
     training = []

@@ -148,6 +148,7 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
         ["time_to_first_step.py", "--models", "seed_mlp", "--scripts", "run", "--repeats", "1"],
         ["gpu_checks.py", "--allow-cpu"],  # benchmarks/gpu.sh's checks, on 8 CPU devices
         ["zero.py", "--rounds", "1", "--steps", "2", "--models", "seed_mlp"],  # gpu.sh's too
+        ["fit_memory.py", "--devices", "1", "--rows", "1024"],  # a process per case
         [
             "debugging.py",
             "--devices",

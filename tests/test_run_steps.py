@@ -251,9 +251,14 @@ def _adam_trainer(replicas, k):
 @pytest.mark.parametrize(("replicas", "epochs"), [(1, 2), (8, 9)])
 def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, replicas, epochs):
     """steps_per_execution > 1, for more epochs than replicas, gathers batches from arrays
-    placed on the devices once: the same shuffled batches, padding and masks as reading them
-    from the host (sample weights included), and only under the size threshold."""
+    placed on the devices once (on CPU devices only when MIRRORED_DEVICE_DATA_BYTES asks):
+    the same shuffled batches, padding and masks as reading them from the host (sample
+    weights included), and only under the size threshold."""
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+    monkeypatch.delenv("MIRRORED_DEVICE_DATA_BYTES", raising=False)
+    default = _adam_trainer(replicas, 4)  # on CPU devices, by default: from the host
+    assert default._resident(X, Y, None, epochs=epochs) is None
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(2**30))  # kept, as on accelerators
 
     def run(k):
         trainer = _adam_trainer(replicas, k)
@@ -282,6 +287,7 @@ def test_arrays_placed_by_one_fit_stay_for_the_next_until_they_change(monkeypatc
     the sampled rows, other arrays, or forget_data() place them anew. The numbers are the
     host path's, fit after fit."""
     x, y = X.copy(), Y.copy()
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(2**30))  # kept on CPU devices too
 
     def trainer():
         strategy = mirrored.MirroredStrategy(jax.devices())

@@ -24,7 +24,11 @@ and gathers each batch there (the same batches, padding and masks as reading the
 host), so K batches need no copy from the host, when they take at most
 `device_data_bytes()` per device:
 `DEVICE_DATA_BYTES` (1 GiB) unless `MIRRORED_DEVICE_DATA_BYTES` says otherwise (`0`: always
-from the host, one copy per step).
+from the host). On CPU devices the default is `0`: each execution's K batches are gathered on
+the host at once and placed without a copy, measured as fast as or faster than arrays kept on
+the devices, and at a fraction of the memory (simulated CPU devices share the host's: eight
+kept copies of 100 MB of data cost 840 MB, the host path 170 MB). Set the variable to keep
+them on CPU devices too.
 
 **Eager execution, for debugging.** `run_functions_eagerly(True)` (TensorFlow's
 `tf.config.run_functions_eagerly`) makes `strategy.run`, `run_steps` and `Trainer.fit` /

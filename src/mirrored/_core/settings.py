@@ -75,11 +75,12 @@ def warn_eager_once() -> None:
     )
 
 
-def device_data_bytes() -> int:
-    """The most bytes of training arrays `fit` keeps on each device (see the module's note)."""
+def device_data_bytes(platform: str | None = None) -> int:
+    """The most bytes of training arrays `fit` keeps on each device of `platform` (see the
+    module's note): on CPU, unless `MIRRORED_DEVICE_DATA_BYTES` is set, none."""
     chosen = os.environ.get(DEVICE_DATA_ENV)
     if chosen is None:
-        return DEVICE_DATA_BYTES
+        return 0 if platform == "cpu" else DEVICE_DATA_BYTES
     try:
         return max(0, int(chosen))
     except ValueError:

@@ -275,8 +275,7 @@ class FitLoop:
             while epoch_steps is None or step < epoch_steps:
                 # Keras' steps_per_execution: K steps in one program; the batch hooks see the
                 # first step of each execution begin and the last one end.
-                size = self.steps_per_execution
-                size = size if epoch_steps is None else min(size, epoch_steps - step)
+                size = k if epoch_steps is None else min(k, epoch_steps - step)
                 with jax.profiler.TraceAnnotation(_profile.INPUT):  # the host waits for data
                     chunk = _next_chunk(batches, size)
                 if not chunk:

@@ -19,7 +19,8 @@ def arrays_on_devices(
     """With `steps_per_execution` > 1, the training arrays placed on every device, or None
     to read batches from the host. From the host: one step per execution (measured: as
     fast as from the devices), a dataset, several processes, or arrays over
-    `mirrored.config.device_data_bytes()`.
+    `mirrored.config.device_data_bytes()` (on CPU devices, unless set: none; there, K batches
+    gathered at once on the host and placed without a copy are as fast).
 
     Placed once, the arrays stay for the trainer's next `fit` on the same arrays (the same
     objects, shapes and dtypes, and the same values at a sample of rows): the copy is paid
@@ -34,7 +35,8 @@ def arrays_on_devices(
     if sample_weight is not None:
         arrays = (x, y, _sample_weights(sample_weight, x))
     arrays = jax.tree.map(_batching.as_host_array, arrays)
-    if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes():
+    platform = next(iter(loop.strategy._replicated.device_set)).platform
+    if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes(platform):
         return None
     _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
     key = identity((x, y, sample_weight), arrays)
