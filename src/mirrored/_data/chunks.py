@@ -4,8 +4,9 @@
 Each chunk is one (K, rows, …) block per leaf and device, 64-byte aligned and filled by one
 `np.take` of that device's rows of the K batches (padding rows included, as `array_batches` pads
 them), all placed in one call: no per-batch `device_put` and no stacking copy on the devices.
-On CPU an aligned block is placed without a copy (the device array then uses it), so every
-chunk gets fresh blocks rather than reused ones that a queued program may still be reading.
+On CPU an aligned block is placed without a copy (the device array then uses it), so a block's
+memory is refilled for a later chunk only once no array uses it (`_Buffers`): never while a
+queued program may still read it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class HostChunk(NamedTuple):
 
 def gather(chunk: HostChunk, begin: int, end: int) -> list[np.ndarray]:
     """Each leaf's (K, end - begin, ...) block of this process's rows [begin, end) of the K
-    batches: one `np.take` into a fresh aligned buffer."""
+    batches: one `np.take` into an aligned buffer (`aligned_empty`)."""
     flat = chunk.rows[:, begin:end].reshape(-1)
     out = []
     for x in chunk.sources:

@@ -51,13 +51,14 @@ def stacked_steps(
             "value that differs per replica cannot stay fixed over several steps.\n"
             "Fix: let the iterator yield it with each batch, or call strategy.run per step."
         )
-    ready = batches if isinstance(batches, StackedBatches) else None
     # K batches already stacked: the first one gives the structure.
     singles = [batches.first] if isinstance(batches, StackedBatches) else batches
     calls = [(*args, *(b if isinstance(b, tuple) else (b,))) for b in singles]
     leaves, first = jax.tree.flatten((calls[0], kwargs), is_leaf=_is_leaf)
     treedef: Any = first
     sorted_ = sort_leaves(placement, leaves, calls[0], kwargs)
+    if isinstance(batches, StackedBatches):
+        return _stacked_inputs(fn, calls[0], leaves, treedef, sorted_, batches)
     columns: list[list[Any]] = [[] for _ in sorted_.split]
     masks, counts = [], []
     for i, call in enumerate(calls):
@@ -75,8 +76,6 @@ def stacked_steps(
             column.append(value)
         masks.append(step.mask)
         counts.append(step.count)
-    if ready is not None:
-        return _stacked_inputs(fn, calls[0], leaves, treedef, sorted_, ready)
     masked = any(m is not None for m in masks)
     stacked = _stack_steps(columns, masks if masked else [], counts if masked else [], strategy)
     split, rep = (
