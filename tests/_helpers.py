@@ -86,14 +86,33 @@ def global_batches(count: int, batch: int, seed: int = 0) -> list[tuple[np.ndarr
     ]
 
 
-def train_step(model: SmallMLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-    def loss_fn(model: SmallMLP) -> jax.Array:
+def train_step(
+    model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
+) -> jax.Array:
+    """One SGD/Adam step of any classifier `model` (sparse cross-entropy of its logits)."""
+
+    def loss_fn(model: nnx.Module) -> jax.Array:
         per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
         return mirrored.compute_average_loss(per_example)
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
+
+
+def adam_trainer(replicas: int = 8, **options: object) -> mirrored.Trainer:
+    """The SmallMLP Trainer (Adam 0.01, sparse cross-entropy of logits, accuracy) on the first
+    `replicas` devices; `options`: its other arguments (`steps_per_execution`, `run_eagerly`)."""
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    with strategy.scope():
+        return mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(0)),
+            optax.adam(0.01),
+            "sparse_categorical_crossentropy",
+            ["accuracy"],
+            from_logits=True,
+            **options,  # type: ignore[arg-type]
+        )
 
 
 def params_of(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import SmallMLP, global_batches, params_of, train_step
+from _helpers import SmallMLP, adam_trainer, global_batches, params_of, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = global_batches(3, 64)
@@ -201,25 +201,12 @@ def test_python_branches_work_on_mirrored_values_eagerly_and_explain_the_rest():
         mirrored.config.run_functions_eagerly("yes")
 
 
-def _trainer(run_eagerly, replicas=8):
-    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
-    with strategy.scope():
-        return mirrored.Trainer(
-            SmallMLP(rngs=nnx.Rngs(0)),
-            optax.adam(0.01),
-            "sparse_categorical_crossentropy",
-            ["accuracy"],
-            from_logits=True,
-            run_eagerly=run_eagerly,
-        )
-
-
 def test_trainer_run_eagerly_gives_fits_evaluates_and_predicts_numbers():
     x = np.concatenate([b[0] for b in BATCHES])
     y = np.concatenate([b[1] for b in BATCHES])
     results = []
     for run_eagerly in (False, True):
-        trainer = _trainer(run_eagerly)
+        trainer = adam_trainer(run_eagerly=run_eagerly)
         history = trainer.fit(x, y, batch_size=64, epochs=1, verbose=0).history
         results.append((trainer, history, trainer.evaluate(x, y), trainer.predict(x)))
     (compiled, h1, e1, p1), (eager, h2, e2, p2) = results
@@ -231,7 +218,7 @@ def test_trainer_run_eagerly_gives_fits_evaluates_and_predicts_numbers():
     assert p2.shape == (len(x), 5)
     assert not mirrored.config.functions_run_eagerly()  # only inside the trainer's loops
     with pytest.raises(TypeError, match="run_eagerly"):
-        _trainer("yes")
+        adam_trainer(run_eagerly="yes")
 
 
 def _nan_batches(step, replica):
@@ -334,13 +321,15 @@ def test_check_numerics_is_off_by_default_and_in_fit(checking):
     batches = _nan_batches(step=1, replica=0)
     x = np.concatenate([b[0] for b in batches])
     y = np.concatenate([b[1] for b in batches])
-    trainer = _trainer(False)
+    trainer = adam_trainer(run_eagerly=False)
     with pytest.raises(mirrored.debug.NonFiniteError, match="'train_step'") as info:
         trainer.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert info.value.step == 1 and info.value.replicas == [0]
     mirrored.debug.disable_check_numerics()
     assert not mirrored.debug.check_numerics_enabled()
-    history = _trainer(False).fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    history = adam_trainer(run_eagerly=False).fit(
+        x, y, batch_size=64, epochs=1, shuffle=False, verbose=0
+    )
     assert np.isnan(history.history["loss"][0])  # unchecked: the NaN trains silently
 
 

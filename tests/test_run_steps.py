@@ -11,8 +11,14 @@ import pytest
 from flax import nnx
 
 import mirrored
-from _helpers import SmallMLP, assert_bit_identical_on_devices, global_batches, params_of
-from _helpers import train_step as mlp_step
+from _helpers import (
+    SmallMLP,
+    adam_trainer,
+    assert_bit_identical_on_devices,
+    global_batches,
+    params_of,
+)
+from _helpers import train_step as mlp_step  # any classifier's step: the CNN's too
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flax_mnist_tutorial.py"
 _spec = importlib.util.spec_from_file_location("flax_mnist_tutorial_steps", EXAMPLE)
@@ -106,16 +112,6 @@ class _TinyCNN(nnx.Module):
         return self.out(nnx.relu(self.conv(x)).reshape(x.shape[0], -1))
 
 
-def _conv_step(model, optimizer, x, y):
-    def loss_fn(model):
-        per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-        return mirrored.compute_average_loss(per_example)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 @pytest.mark.parametrize("replicas", [8, 1])
 def test_a_convolution_steps_run_one_program_each_on_cpu_with_run_steps_numbers(replicas, caplog):
     """XLA:CPU runs convolutions slower inside one program of K steps (issue 39: 0.74x at one
@@ -136,7 +132,7 @@ def test_a_convolution_steps_run_one_program_each_on_cpu_with_run_steps_numbers(
 
     model, optimizer = state()
     expected = [
-        float(strategy.reduce("SUM", strategy.run(_conv_step, args=(model, optimizer, *b)), None))
+        float(strategy.reduce("SUM", strategy.run(mlp_step, args=(model, optimizer, *b)), None))
         for b in dataset
     ]
     ours, our_optimizer = state()
@@ -145,9 +141,7 @@ def test_a_convolution_steps_run_one_program_each_on_cpu_with_run_steps_numbers(
         losses = [
             np.asarray(strategy.reduce("SUM", out, axis=None))
             for out in iter(
-                lambda: strategy.run_steps(
-                    _conv_step, iterator, steps=3, args=(ours, our_optimizer)
-                ),
+                lambda: strategy.run_steps(mlp_step, iterator, steps=3, args=(ours, our_optimizer)),
                 None,
             )
         ]
@@ -159,7 +153,7 @@ def test_a_convolution_steps_run_one_program_each_on_cpu_with_run_steps_numbers(
     assert int(our_optimizer.step[...]) == 4
     said = [r.getMessage() for r in caplog.records if "calls of one step" in r.getMessage()]
     assert len(said) == 2  # once per program: 3 steps, then the 1 left
-    assert "_conv_step" in said[0] and "3 steps run as 3 calls" in said[0]
+    assert "train_step" in said[0] and "3 steps run as 3 calls" in said[0]
 
 
 def test_run_steps_errors_say_what_to_do(devices):
@@ -234,20 +228,6 @@ def test_steps_per_execution_stops_at_steps_per_epoch_and_rejects_bad_values():
         _fit(8, lambda: optax.sgd(0.1), 0)
 
 
-def _adam_trainer(replicas, k):
-    """The SmallMLP Trainer (Adam, accuracy) on the first `replicas` devices, K steps a program."""
-    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
-    with strategy.scope():
-        return mirrored.Trainer(
-            SmallMLP(rngs=nnx.Rngs(0)),
-            optax.adam(0.01),
-            "sparse_categorical_crossentropy",
-            ["accuracy"],
-            from_logits=True,
-            steps_per_execution=k,
-        )
-
-
 @pytest.mark.parametrize(("replicas", "epochs"), [(1, 2), (8, 9)])
 def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, replicas, epochs):
     """steps_per_execution > 1, for more epochs than replicas, gathers batches from arrays
@@ -256,12 +236,14 @@ def test_arrays_kept_on_the_devices_give_the_host_paths_numbers(monkeypatch, rep
     weights included), and only under the size threshold."""
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
     monkeypatch.delenv("MIRRORED_DEVICE_DATA_BYTES", raising=False)
-    default = _adam_trainer(replicas, 4)  # on CPU devices, by default: from the host
+    default = adam_trainer(
+        replicas, steps_per_execution=4
+    )  # on CPU devices, by default: from the host
     assert default._resident(X, Y, None, epochs=epochs) is None
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(2**30))  # kept, as on accelerators
 
     def run(k):
-        trainer = _adam_trainer(replicas, k)
+        trainer = adam_trainer(replicas, steps_per_execution=k)
         history = trainer.fit(
             X, Y, batch_size=64, epochs=epochs, sample_weight=weights, seed=3, verbose=0
         ).history
@@ -401,16 +383,16 @@ def test_fit_gathers_k_batches_at_once_from_the_host_with_the_same_numbers(monke
     options = {"batch_size": 60, "sample_weight": weights, "seed": 5, "verbose": 0}
     options["validation_data"] = (X[:40], Y[:40])
     monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded)
-    at_once = _adam_trainer(replicas, 3)
+    at_once = adam_trainer(replicas, steps_per_execution=3)
     history = at_once.fit(X, Y, epochs=1, **options).history
     evaluated = at_once.evaluate(X, Y, batch_size=60, sample_weight=weights)
     assert used == [3, 3, 3]  # training, validation, evaluate
     monkeypatch.setattr(DistributedDataset, "epoch_chunks", lambda *a, **k: None)
-    one_by_one = _adam_trainer(replicas, 3)
+    one_by_one = adam_trainer(replicas, steps_per_execution=3)
     assert one_by_one.fit(X, Y, epochs=1, **options).history == history
     assert _max_diff(at_once.model, one_by_one.model) == 0.0
     assert one_by_one.evaluate(X, Y, batch_size=60, sample_weight=weights) == evaluated
-    stepwise = _adam_trainer(replicas, 1)
+    stepwise = adam_trainer(replicas, steps_per_execution=1)
     expected = stepwise.fit(X, Y, epochs=1, **options).history
     for name, values in expected.items():
         np.testing.assert_allclose(history[name], values, rtol=0, atol=1e-6)
@@ -450,7 +432,7 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
     options = {"batch_size": 64, "sample_weight": weights, "seed": 5, "verbose": 0}
     options["validation_data"] = (X[:40], Y[:40])
 
-    ahead = _adam_trainer(replicas, k)
+    ahead = adam_trainer(replicas, steps_per_execution=k)
     history = ahead.fit(X, Y, epochs=3, callbacks=[_EpochEnds(events)], **options).history
     training = events[0][2]  # made first; the validation set's iterators are left out
     assert [e[:2] for e in events if e[0] == "end" or e[2] is training] == [
@@ -461,7 +443,7 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
         ("end", 1),
         ("end", 2),
     ]
-    one_by_one = _adam_trainer(replicas, k)
+    one_by_one = adam_trainer(replicas, steps_per_execution=k)
     expected: dict = {}
     for epoch in range(3):
         step = one_by_one.fit(X, Y, initial_epoch=epoch, epochs=epoch + 1, **options).history
