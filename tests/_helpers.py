@@ -66,6 +66,18 @@ def run_two_workers(
     return [worker.returncode for worker in workers], outputs
 
 
+def per_rank_tails(output: str, chars: int = 2500) -> str:
+    """A launched job's output for a failure message: the end of each worker's own lines (one
+    worker's long traceback must not hide the other's first error) and the launcher's."""
+    ranks: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        rank = line[: line.index("]") + 1] if line.startswith("[rank ") else "launcher"
+        ranks.setdefault(rank, []).append(line)
+    return "\n".join(
+        f"--- {rank} ---\n" + "\n".join(lines)[-chars:] for rank, lines in sorted(ranks.items())
+    )
+
+
 class SmallMLP(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs) -> None:
         self.hidden = nnx.Linear(12, 32, rngs=rngs)

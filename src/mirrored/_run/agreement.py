@@ -10,6 +10,7 @@ for its shapes), then nothing per step.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,16 +20,17 @@ import numpy as np
 from mirrored._core.mesh import is_per_replica_state
 
 
-def agreed(known: set[int], variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
-    """`state` (the values of `variables`, in order) with every variable not in `known` (ids)
-    holding process 0's value; those are then known. One process: `state` itself."""
+def agreed(known: Known, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
+    """`state` (the values of `variables`, in order) with every variable not `known` holding
+    process 0's value; those are then known. One process: `state` itself."""
     if jax.process_count() == 1:
         return state
+    known.let_go()
     # Per-replica state (a row per replica, not mirrored) keeps each process' rows.
     new = [
         i
         for i, v in enumerate(variables)
-        if id(v) not in known and not is_per_replica_state(state[i])
+        if v not in known and not is_per_replica_state(state[i])
     ]
     if not new:
         return state
@@ -39,8 +41,38 @@ def agreed(known: set[int], variables: Sequence[Any], state: list[jax.Array]) ->
     out = list(state)
     for i, value in zip(new, chief, strict=True):
         out[i] = _placed_like(state[i], np.asarray(value))
-        known.add(id(variables[i]))
+        known.add(variables[i])
     return out
+
+
+class Known:
+    """The variables every process was given the chief's value of, by identity.
+
+    Not a set of `id()`s: Python reuses a freed object's id for the next object of its size,
+    at a moment that differs from process to process (verify's copies of a model, a model
+    built again), so one process took a new variable for a known one and skipped its
+    broadcast while the others waited in it (a mismatched collective: a hang, then SIGABRT).
+    nnx Variables take no weak references, so each known variable is held here (its id
+    cannot be reused while it is) and let go once nothing else holds it."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, Any] = {}
+
+    def __contains__(self, variable: Any) -> bool:
+        return self._held.get(id(variable)) is variable
+
+    def add(self, variable: Any) -> None:
+        self._held[id(variable)] = variable
+
+    def let_go(self) -> None:
+        """Forget the variables only this registry still holds (their model is gone)."""
+        # Two references: this dict's and getrefcount's argument.
+        gone = [key for key in self._held if sys.getrefcount(self._held[key]) <= 2]
+        for key in gone:
+            del self._held[key]
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 def _is_key(x: jax.Array) -> bool:
@@ -60,15 +92,15 @@ def _placed_like(x: jax.Array, value: np.ndarray) -> jax.Array:
 
 
 class Agreement:
-    """What one runner's processes agree on: the ids of the variables given the chief's values."""
+    """What one runner's processes agree on: the variables given the chief's values."""
 
     def __init__(self) -> None:
         self._processes = jax.process_count()
-        self._known: set[int] = set()
+        self._known = Known()
 
     def is_agreed(self, variable: Any) -> bool:
         """Whether every process was given the chief's value of `variable`."""
-        return id(variable) in self._known
+        return variable in self._known
 
     def agree(self, variables: Sequence[Any]) -> None:
         """Give every process the chief's value of each of `variables` not agreed yet."""
