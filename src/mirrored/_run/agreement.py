@@ -28,9 +28,7 @@ def agreed(known: Known, variables: Sequence[Any], state: list[jax.Array]) -> li
     known.let_go()
     # Per-replica state (a row per replica, not mirrored) keeps each process' rows.
     new = [
-        i
-        for i, v in enumerate(variables)
-        if v not in known and not is_per_replica_state(state[i])
+        i for i, v in enumerate(variables) if v not in known and not is_per_replica_state(state[i])
     ]
     if not new:
         return state
