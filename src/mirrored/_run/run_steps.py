@@ -59,19 +59,20 @@ def stacked_steps(
     sorted_ = sort_leaves(placement, leaves, calls[0], kwargs)
     if isinstance(batches, StackedBatches):
         return _stacked_inputs(fn, calls[0], leaves, treedef, sorted_, batches)
-    columns: list[list[Any]] = [[] for _ in sorted_.split]
-    masks, counts = [], []
-    for i, call in enumerate(calls):
-        step = sorted_
-        if i:
-            step_leaves, step_treedef = jax.tree.flatten((call, kwargs), is_leaf=_is_leaf)
-            if step_treedef != treedef:
-                raise ValueError(
-                    "strategy.run_steps expected every batch of the iterator to have the "
-                    f"structure of the first; found {step_treedef} after {treedef}. Fix: "
-                    "yield batches of one structure."
-                )
-            step = sort_leaves(placement, step_leaves, call, kwargs)
+    columns: list[list[Any]] = [[column] for column in sorted_.split]
+    masks, counts = [sorted_.mask], [sorted_.count]
+    # The later steps differ from the first in their batch alone (args and kwargs hold no
+    # distributed value): flatten and sort its few leaves, not the model's and optimizer's.
+    batch_def = jax.tree.structure(calls[0][len(args) :], is_leaf=_is_leaf)
+    for call in calls[1:]:
+        batch_leaves, step_def = jax.tree.flatten(call[len(args) :], is_leaf=_is_leaf)
+        if step_def != batch_def:
+            raise ValueError(
+                "strategy.run_steps expected every batch of the iterator to have the "
+                f"structure of the first; found {step_def} after {batch_def}. Fix: "
+                "yield batches of one structure."
+            )
+        step = sort_leaves(placement, batch_leaves, call, kwargs)
         for column, value in zip(columns, step.split, strict=True):
             column.append(value)
         masks.append(step.mask)
@@ -118,13 +119,16 @@ def _stack_steps(
         rows = next(m.shape[0] for m in masks if m is not None)
         masks = [jnp.ones((rows,), jnp.bool_) if m is None else m for m in masks]
         counts = [jnp.int32(rows) if c is None else c for c in counts]
-    stacked, mask = _stack_jit(tuple(map(tuple, columns)), tuple(masks), by_step)
-    count = jax.device_put(jnp.stack(counts), strategy._replicated) if masks else None
+    stacked, mask, count = _stack_jit(
+        tuple(map(tuple, columns)), tuple(masks), tuple(counts), by_step, strategy._replicated
+    )
     return list(stacked), mask, count
 
 
-@functools.partial(jax.jit, static_argnames=("sharding",))
-def _stack_jit(columns: Any, masks: Any, sharding: Any) -> Any:
+@functools.partial(jax.jit, static_argnames=("sharding", "replicated"))
+def _stack_jit(columns: Any, masks: Any, counts: Any, sharding: Any, replicated: Any) -> Any:
+    """One program for all the stacking (jnp.stack outside jit dispatches once per value)."""
     stack = [jax.lax.with_sharding_constraint(jnp.stack(c), sharding) for c in columns]
     mask = jax.lax.with_sharding_constraint(jnp.stack(masks), sharding) if masks else None
-    return stack, mask
+    count = jax.lax.with_sharding_constraint(jnp.stack(counts), replicated) if counts else None
+    return stack, mask, count
