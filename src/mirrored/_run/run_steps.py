@@ -63,7 +63,7 @@ def stacked_steps(
     masks, counts = [sorted_.mask], [sorted_.count]
     # The later steps differ from the first in their batch alone (args and kwargs hold no
     # distributed value): flatten and sort its few leaves, not the model's and optimizer's.
-    batch_def = jax.tree.structure(calls[0][len(args) :], is_leaf=_is_leaf)
+    batch_def: Any = jax.tree.structure(calls[0][len(args) :], is_leaf=_is_leaf)
     for call in calls[1:]:
         batch_leaves, step_def = jax.tree.flatten(call[len(args) :], is_leaf=_is_leaf)
         if step_def != batch_def:
