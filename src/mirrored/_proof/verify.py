@@ -275,13 +275,17 @@ def verify(
         )
         return Report(checks)
 
+    ran = False
     try:
         for _ in range(steps):
             strategy.run(step_fn, args=copies)
+        ran = True
         checks.append(check_in_sync(_mirrored_arrays(copies)))
     except ValueError as error:
         checks.append(Check("Replicas in sync", FAIL, str(error).split("\n")[0], str(error)))
-    if processes > 1 and checks[-1].status != FAIL:
+    # On whether the step runs (the same on every process), not on this process' own
+    # replicas: a process whose replicas differ must still join the others' collectives.
+    if processes > 1 and ran:
         checks.append(check_stragglers(lambda: strategy.run(step_fn, args=copies)))
     note = strategy._step_runner().note(step_fn, copies)
     if note is not None:  # a plain BatchNorm on few rows per replica
