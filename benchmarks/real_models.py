@@ -3,7 +3,10 @@
 Each model, its optimizer and its training step come from its script in examples/, unchanged.
 Both loops train it on the same pre-staged device batches, in the same process, with the same
 in-flight bound (mirrored's default), dropout on. Prints JSON; ratio = mirrored / plain JAX; and
-`run_steps` (K steps per program, `--steps-per-execution`) against the same plain-JAX loop.
+`run_steps` (K steps per program, `--steps-per-execution`) against the same plain-JAX loop; and
+`Trainer.fit(steps_per_execution=K)` on the same batches as NumPy arrays (one shuffled epoch
+per call, input pipeline and per-call work included; the loss Keras' sparse categorical
+cross-entropy from logits, per token for the language model).
 
     python benchmarks/real_models.py [--devices 8] [--steps 32] [--repeats 3]
                                      [--steps-per-execution 32]
@@ -174,6 +177,7 @@ def main() -> None:
     import itertools
 
     import jax
+    import numpy as np
     from _models import run_bounded, timed
     from flax import nnx
 
@@ -240,15 +244,35 @@ def main() -> None:
                     )
                 return losses.global_value
 
-            plain_t, ours_t, scanned_t = [], [], []
+            # Trainer.fit on the same model from in-memory arrays (`args.steps` batches a
+            # call: one epoch, shuffled, the input pipeline included), K steps per program.
+            with strategy.scope():
+                trainer = mirrored.Trainer(
+                    workload.make_model(),
+                    workload.make_tx(),
+                    "sparse_categorical_crossentropy",
+                    from_logits=True,
+                    steps_per_execution=args.steps_per_execution,
+                )
+            epoch = [workload.batches[i % len(workload.batches)] for i in range(args.steps)]
+            x_all, y_all = (np.concatenate(column) for column in zip(*epoch, strict=True))
+
+            def run_fit(k: int, trainer=trainer, x=x_all, y=y_all, batch=batch) -> object:
+                del k  # one epoch of `args.steps` batches each call (the first compiles)
+                trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+                return trainer.model
+
+            plain_t, ours_t, scanned_t, fit_t = [], [], [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both alike
                 plain_t.append(timed(run_plain, args.steps, warmup=3))
                 ours_t.append(timed(run_mirrored, args.steps, warmup=3))
                 warmup = min(args.steps_per_execution, args.steps)  # compiles the K-step program
                 scanned_t.append(timed(run_scanned, args.steps, warmup=warmup))
+                fit_t.append(timed(run_fit, args.steps, warmup=args.steps))
             plain_eps = args.steps * batch / statistics.median(plain_t)
             ours_eps = args.steps * batch / statistics.median(ours_t)
             scanned_eps = args.steps * batch / statistics.median(scanned_t)
+            fit_eps = args.steps * batch / statistics.median(fit_t)
             row = {
                 "model": name,
                 "parameters": sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))),
@@ -260,6 +284,8 @@ def main() -> None:
                 "steps_per_execution": args.steps_per_execution,
                 "mirrored_run_steps_examples_per_s": round(scanned_eps, 1),
                 "run_steps_ratio": round(scanned_eps / plain_eps, 3),
+                "fit_examples_per_s": round(fit_eps, 1),
+                "fit_ratio": round(fit_eps / plain_eps, 3),
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

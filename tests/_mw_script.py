@@ -40,6 +40,15 @@ class KillAt(mirrored.callbacks.Callback):
         print(f"batches run {self.done}", flush=True)
 
 
+class ChiefReads(mirrored.callbacks.Callback):
+    """A batch's logs read on the chief alone, as a user's print would be (the read is an
+    all-reduce: before, the chief ran it alone and the job hung)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if jax.process_index() == 0 and batch == 1:
+            print(f"chief read loss {logs['loss']:.4f}", flush=True)
+
+
 def flat(model):
     return {
         "/".join(map(str, p)): np.asarray(v.get_value())
@@ -97,6 +106,11 @@ def main():
             from_logits=True,
         )
     callbacks = [mirrored.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt"), monitor="loss")]
+    # Logs read on the chief alone (a user's callback; TensorBoard's batch scalars and its
+    # histograms, which the chief writes): every process must join the reads' collectives.
+    callbacks.append(ChiefReads())
+    tensorboard = os.path.join(args.out, "tb")
+    callbacks.append(mirrored.callbacks.TensorBoard(tensorboard, histogram_freq=1, update_freq=2))
     if args.backup:
         callbacks.append(mirrored.callbacks.BackupAndRestore(args.backup, save_freq=3))
     if args.kill_rank >= 0:

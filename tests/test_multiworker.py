@@ -148,6 +148,8 @@ def two_processes(tmp_path_factory):
 def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices, two_processes):
     two_dir, stdout = two_processes
     assert "[rank 1] replicas 4 processes 2 chief False" in stdout
+    assert "[rank 0] chief read loss" in stdout and "[rank 1] chief read" not in stdout
+    assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, per_rank_tails(one.stdout)
     a, b = results(two_dir), results(tmp_path / "one")

@@ -34,6 +34,11 @@ class Callback:
     # True: `fit` checks its steps for non-finite values while this callback is given, so the
     # step that would make a parameter NaN or infinite changes nothing (`TerminateOnNaN`).
     checks_numerics = False
+    # True: this callback reads a batch's logs on every process or on none (mirrored's own).
+    # Reading them runs a collective (an all-reduce of the running sums), so in a job of
+    # several processes the logs of a callback that may read them on one process only (say
+    # the chief's print) are read on every process before it is called.
+    logs_read_on_every_process = False
 
     def set_trainer(self, trainer: TrainerLike, params: dict[str, Any]) -> None:
         self.trainer = trainer

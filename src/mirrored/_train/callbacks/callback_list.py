@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from mirrored._train.callbacks.base import Callback, History, _implements
 from mirrored._train.callbacks.progress import ProgbarLogger
 
@@ -46,7 +48,22 @@ class CallbackList:
             if not hook.startswith("on_") or _implements(c, hook)
         ]
 
+        # Several processes: logs read lazily on one process only would run the read's
+        # all-reduce there alone, and the job would hang; read them on every process first.
+        everywhere = (
+            hook.endswith("_batch_end")
+            and not all(
+                getattr(getattr(m, "__self__", None), "logs_read_on_every_process", False)
+                for m in methods
+            )
+            and jax.process_count() > 1
+        )
+
         def call(*args: Any, **kwargs: Any) -> None:
+            if everywhere and kwargs.get("logs") is not None:
+                kwargs["logs"] = dict(kwargs["logs"])
+            elif everywhere and len(args) > 1 and args[1] is not None:
+                args = (args[0], dict(args[1]), *args[2:])
             for method in methods:
                 method(*args, **kwargs)
 

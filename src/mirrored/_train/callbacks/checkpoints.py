@@ -95,6 +95,8 @@ class BackupAndRestore(Callback):
     `save_freq=False` then backs up at preemptions only.
     """
 
+    logs_read_on_every_process = True  # it never reads a batch's logs
+
     def __init__(
         self,
         backup_dir: str | os.PathLike[str],

@@ -130,6 +130,7 @@ class TerminateOnNaN(Callback):
     """
 
     checks_numerics = True
+    logs_read_on_every_process = True  # the loss, on every process alike
 
     def __init__(self, raise_error: bool = False) -> None:
         self.raise_error = raise_error

@@ -7,6 +7,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
 
@@ -26,6 +28,8 @@ class ProgbarLogger(Callback):
     `refresh_s` seconds, so the bar never adds a per-step synchronisation. `evaluate` shows
     one bar (and line) too; inside `fit`, validation is silent, as in Keras.
     """
+
+    logs_read_on_every_process = True  # several processes: never read mid-epoch
 
     def __init__(self, verbose: int = 1, *, refresh_s: float = 0.25) -> None:
         self.verbose = verbose
@@ -69,7 +73,9 @@ class ProgbarLogger(Callback):
             return
         now = time.perf_counter()
         self._progress.update(self._task, completed=batch + 1)
-        if now - self._last >= self.refresh_s and logs is not None:
+        # Several processes: the bar shows steps and speed; reading the metrics here, on the
+        # chief alone and on its own clock, would run their all-reduce on one process.
+        if now - self._last >= self.refresh_s and logs is not None and jax.process_count() == 1:
             self._last = now
             rate = (batch + 1) * self.params.get("batch_size", 0) / max(now - self._start, 1e-9)
             self._progress.update(

@@ -57,6 +57,10 @@ class TensorBoard(Callback):
         >>> tb = mirrored.callbacks.TensorBoard("logs", profile_batch=(10, 15))
     """
 
+    # What the chief writes is read on every process first: logs and weights are gathered by
+    # collectives, which every process must join.
+    logs_read_on_every_process = True
+
     def __init__(
         self,
         log_dir: str | os.PathLike[str] = "logs",
@@ -122,18 +126,20 @@ class TensorBoard(Callback):
             self._tracer.step_end()
             if self._global_batch >= self._profile[1]:  # type: ignore[index]
                 self._stop_profile()
-        if (
-            self.update_freq == "epoch"
-            or self._global_batch % int(self.update_freq)
-            or logs is None
-            or not _checkpoint.is_chief()
-        ):
+        due = self.update_freq != "epoch" and self._global_batch % int(self.update_freq) == 0
+        if not due or logs is None:
+            return
+        values = dict(logs)  # on every process: the read is an all-reduce
+        if not _checkpoint.is_chief():
             return
         writer = self._writer("train")
-        for name, value in logs.items():
+        for name, value in values.items():
             writer.scalar(f"batch_{name}", float(value), self._global_batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        histogram = bool(self.histogram_freq) and epoch % self.histogram_freq == 0
+        # On every process: a variable split over the processes is gathered by a collective.
+        weights = _model_weights(self.trainer.model) if histogram else {}
         if not _checkpoint.is_chief():
             return
         train = {k: v for k, v in (logs or {}).items() if not k.startswith("val_")}
@@ -143,9 +149,8 @@ class TensorBoard(Callback):
         for split, values in (("train", train), ("validation", validation)):
             for name, value in values.items():
                 self._writer(split).scalar(f"epoch_{name}", float(value), epoch)
-        if self.histogram_freq and epoch % self.histogram_freq == 0:
-            for name, weights in _model_weights(self.trainer.model).items():
-                self._writer("train").histogram(f"{name}/histogram", weights, epoch)
+        for name, weight in weights.items():
+            self._writer("train").histogram(f"{name}/histogram", weight, epoch)
         for writer in self._writers.values():
             writer.flush()
 
