@@ -167,6 +167,16 @@ def main():
     k_history = per_k.fit(x, y, batch_size=32, sample_weight=weights, verbose=0)
 
     if strategy.is_chief:
+        # A strategy over the chief's own devices (its evaluation, say): its first step has
+        # no other process to agree with (before: a broadcast over every process, run by the
+        # chief alone, and the job hung).
+        own = mirrored.MirroredStrategy(jax.local_devices())
+        with own.scope():
+            alone = SmallMLP(rngs=nnx.Rngs(5))
+            alone_opt = nnx.Optimizer(alone, optax.sgd(0.1), wrt=nnx.Param)
+        ((ox, oy),) = list(own.experimental_distribute_dataset(global_batches(1, 8)))
+        own.run(train_step, args=(alone, alone_opt, ox, oy))
+        print(f"chief alone trained on {own.num_replicas_in_sync} replicas", flush=True)
         arrays = {f"loop/{k}": v for k, v in loop.items()}
         arrays.update({f"fit_k3/{k}": v for k, v in flat(chunked).items()})
         arrays["fit_k3_loss"] = np.asarray(k_history.history["loss"])

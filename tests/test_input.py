@@ -408,7 +408,7 @@ def test_iterable_batches_per_process():
 
 
 def test_distributed_dataset_uses_the_process_slice(strategy, monkeypatch):
-    monkeypatch.setattr(_input, "process_info", lambda: (2, 1))
+    monkeypatch.setattr(_input, "process_info", lambda strategy=None: (2, 1))
     dist = _input.distribute_dataset(
         strategy,
         (np.arange(32),),

@@ -149,6 +149,7 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     two_dir, stdout = two_processes
     assert "[rank 1] replicas 4 processes 2 chief False" in stdout
     assert "[rank 0] chief read loss" in stdout and "[rank 1] chief read" not in stdout
+    assert "[rank 0] chief alone trained on 2 replicas" in stdout
     assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, per_rank_tails(one.stdout)
@@ -290,7 +291,16 @@ def test_agreement_never_takes_a_new_variable_for_a_known_one_with_a_reused_id()
     known.let_go()  # only the registry held it: forgotten, its id free again
     assert len(known) == 1 and kept in known
     reused = State()
-    assert id(reused) == freed, "CPython did not reuse the id: the test cannot show the case"
+    for _ in range(50):  # another thread's allocation may take the freed block first
+        if id(reused) == freed:
+            break
+        known.add(reused)
+        freed = id(reused)
+        del reused
+        known.let_go()
+        reused = State()
+    if id(reused) != freed:
+        pytest.skip("CPython reused no id here: the case cannot be shown")
     assert reused not in known
 
 

@@ -92,9 +92,17 @@ class HostBatch(NamedTuple):
     size: int  # rows of the padded global batch
 
 
-def process_info() -> tuple[int, int]:
-    """(process count, this process's index); one place for tests to pretend multi-process."""
-    return jax.process_count(), jax.process_index()
+def process_info(strategy: Any = None) -> tuple[int, int]:
+    """(process count, this process's index) of the processes that own `strategy`'s devices
+    (all of the job's, or just this one for a strategy over its own devices); one place for
+    tests to pretend multi-process."""
+    count, index = jax.process_count(), jax.process_index()
+    if strategy is None or count == 1:
+        return count, index
+    owners = sorted({d.process_index for d in strategy.extended.worker_devices})
+    if len(owners) == count:
+        return count, index
+    return len(owners), owners.index(index) if index in owners else 0
 
 
 class _Structure:
@@ -267,7 +275,7 @@ class DistributedDataset:
         self._length = length
         self._options = options or InputOptions()
         self._epoch = 0
-        self._processes = process_info()[0]
+        self._processes = process_info(strategy)[0]
         self._masks: dict[Any, tuple[jax.Array, jax.Array]] = {}
 
     @property
@@ -486,7 +494,7 @@ def distribute_dataset(
     drop_remainder: bool,
 ) -> DistributedDataset:
     n = strategy.num_replicas_in_sync
-    processes = process_info()
+    processes = process_info(strategy)
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
@@ -561,7 +569,7 @@ def distribute_from_function(
     strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
 ) -> DistributedDataset:
     n = strategy.num_replicas_in_sync
-    processes = process_info()
+    processes = process_info(strategy)
     context = InputContext(processes[0], processes[1], n)
     dataset = dataset_fn(context)
     if not isinstance(dataset, Iterable):

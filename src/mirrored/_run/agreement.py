@@ -92,8 +92,10 @@ def _placed_like(x: jax.Array, value: np.ndarray) -> jax.Array:
 class Agreement:
     """What one runner's processes agree on: the variables given the chief's values."""
 
-    def __init__(self) -> None:
-        self._processes = jax.process_count()
+    def __init__(self, devices: Sequence[Any]) -> None:
+        # The processes of this strategy's devices: a strategy over one process' own devices
+        # in a job of several (the chief's evaluation, say) has no one to agree with.
+        self._processes = len({d.process_index for d in devices})
         self._known = Known()
 
     def is_agreed(self, variable: Any) -> bool:

@@ -79,7 +79,7 @@ class Runner:
         # programs are compiled per real-row count of a padded batch, without a fast path.
         self._global_rows: set[Any] = set()
         # Several processes: the chief's values of state seen for the first time.
-        self.agreement = agreement.Agreement()
+        self.agreement = agreement.Agreement(strategy.extended.worker_devices)
         # What an extension keeps per runner (Keras: its bound steps), by extension name.
         self.extension_state: dict[str, Any] = {}
         # One replica has no collective to deadlock: the host runs ahead as in plain JAX (PJRT's
