@@ -254,7 +254,7 @@ def main() -> None:
                     from_logits=True,
                     steps_per_execution=args.steps_per_execution,
                 )
-            epoch = [workload.batches[i % len(workload.batches)] for i in range(args.steps)]
+            epoch = [workload.batches[j % len(workload.batches)] for j in range(args.steps)]
             x_all, y_all = (np.concatenate(column) for column in zip(*epoch, strict=True))
 
             def run_fit(k: int, trainer=trainer, x=x_all, y=y_all, batch=batch) -> object:
