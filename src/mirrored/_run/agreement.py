@@ -22,9 +22,8 @@ from mirrored._core.mesh import is_per_replica_state
 
 def agreed(known: Known, variables: Sequence[Any], state: list[jax.Array]) -> list[jax.Array]:
     """`state` (the values of `variables`, in order) with every variable not `known` holding
-    process 0's value; those are then known. One process: `state` itself."""
-    if jax.process_count() == 1:
-        return state
+    process 0's value; those are then known. Only for a strategy over several processes
+    (`Agreement.state` returns first otherwise)."""
     known.let_go()
     # Per-replica state (a row per replica, not mirrored) keeps each process' rows.
     new = [

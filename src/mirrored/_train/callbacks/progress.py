@@ -73,14 +73,14 @@ class ProgbarLogger(Callback):
             return
         now = time.perf_counter()
         self._progress.update(self._task, completed=batch + 1)
-        # Several processes: the bar shows steps and speed; reading the metrics here, on the
-        # chief alone and on its own clock, would run their all-reduce on one process.
-        if now - self._last >= self.refresh_s and logs is not None and jax.process_count() == 1:
+        if now - self._last >= self.refresh_s and logs is not None:
             self._last = now
             rate = (batch + 1) * self.params.get("batch_size", 0) / max(now - self._start, 1e-9)
-            self._progress.update(
-                self._task, speed=f"{rate:,.0f} ex/s", metrics=_format(dict(logs))
-            )
+            self._progress.update(self._task, speed=f"{rate:,.0f} ex/s")
+            # Several processes: steps and speed only; reading the metrics here, on the chief
+            # alone and on its own clock, would run their all-reduce on one process.
+            if jax.process_count() == 1:
+                self._progress.update(self._task, metrics=_format(dict(logs)))
 
     def _stop(self) -> None:
         if self._progress is not None:
