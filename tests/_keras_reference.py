@@ -24,12 +24,13 @@ if WITH_MIRRORED:
 import jax  # noqa: E402
 
 if os.environ.get("MIRRORED_COMPILATION_CACHE"):
-    # The suite's cache (conftest), set as mirrored sets it but without mirrored: each program
-    # compiles once per session. The same program reads the same executable back, so the two
-    # processes' results can only differ where their programs do.
+    # The suite's cache (conftest), read only: a program the tests compiled is read back, so
+    # the two processes' results can only differ where their programs do. No writes: without
+    # mirrored, each of JAX's writes to a bounded cache scans the whole directory (1.5 s per
+    # program at 10,000 entries; mirrored's own setting scans only when it may be full).
     jax.config.update("jax_compilation_cache_dir", os.environ["MIRRORED_COMPILATION_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)  # locked reads and writes
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)  # locked reads
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

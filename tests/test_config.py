@@ -116,6 +116,30 @@ def test_set_compilation_cache_in_process(tmp_path):
         compilation_cache.reset_cache()
 
 
+def test_a_bounded_cache_scans_its_directory_only_when_it_may_be_full(tmp_path, monkeypatch):
+    # JAX's bounded cache scanned every entry before each write (1.5 s at 10,000 entries).
+    from jax._src import lru_cache
+
+    settings._scan_only_when_full()  # the suite's cache (conftest) has installed it already
+    scans = []
+    scan = settings._jax_scan
+    monkeypatch.setattr(settings, "_jax_scan", lambda *a, **k: (scans.append(1), scan(*a, **k)))
+    for i in range(200):  # entries written before this process started
+        (tmp_path / f"old{i}{lru_cache._CACHE_SUFFIX}").write_bytes(b"o" * 1000)
+        (tmp_path / f"old{i}{lru_cache._ATIME_SUFFIX}").write_bytes(i.to_bytes(8, "little"))
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=250_000)
+    for i in range(40):  # fills the room left without a scan
+        cache.put(f"new{i}", b"n" * 1000)
+    assert scans == []
+    for i in range(40, 200):  # past the bound: scans, and evicts the oldest entries first
+        cache.put(f"new{i}", b"n" * 1000)
+        entries = list(tmp_path.glob(f"*{lru_cache._CACHE_SUFFIX}"))
+        assert sum(e.stat().st_size for e in entries) <= 250_000
+    assert 1 <= len(scans) <= 10, len(scans)  # each scan evicts down to 90% of the bound
+    assert not (tmp_path / f"old0{lru_cache._CACHE_SUFFIX}").exists()
+    assert cache.get("new199") == b"n" * 1000 and cache.get("new0") is not None
+
+
 @pytest.mark.parametrize("value", ["off", "0", "none"])
 def test_off_values(value, monkeypatch):
     monkeypatch.setattr(settings, "_decided", False)
