@@ -141,6 +141,24 @@ def main():
         counts.append(int(count))
         means.append(float(strategy.reduce("SUM", mean)))
 
+    # 3b. The same with pipelines of different lengths and first batches: process 0 has
+    # three steps of data, process 1 two (TensorFlow all-reduces "has data" every step).
+    uneven = np.split(np.arange(1, 24, dtype=np.float32), np.cumsum([2, 1, 3, 3, 3, 3, 3, 2, 1]))
+
+    def uneven_fn(ctx):
+        local = strategy.num_replicas_in_sync // ctx.num_input_pipelines
+        pipeline = ctx.input_pipeline_id
+        return [
+            p for j, p in enumerate(uneven) if (j // local) % ctx.num_input_pipelines == pipeline
+        ]
+
+    uneven_data = strategy.distribute_datasets_from_function(uneven_fn)
+    uneven_counts, uneven_means = [len(uneven_data)], []
+    for x in uneven_data:
+        count, mean = strategy.run(count_step, args=(x,))
+        uneven_counts.append(int(count))
+        uneven_means.append(float(strategy.reduce("SUM", mean)))
+
     # 4. Unseeded initialisation (each process its own values, as a tutorial as written): the
     # first step broadcasts the chief's, so every process trains the same model.
     with strategy.scope():
@@ -183,6 +201,8 @@ def main():
         arrays.update({f"unseeded/{k}": v for k, v in flat(unseeded).items()})
         arrays["dff_counts"] = np.asarray(counts)
         arrays["dff_means"] = np.asarray(means)
+        arrays["uneven_counts"] = np.asarray(uneven_counts)
+        arrays["uneven_means"] = np.asarray(uneven_means)
         arrays.update({f"fit/{k}": v for k, v in flat(fitted).items()})
         arrays["loop_loss"] = np.asarray(total)
         arrays["fit_loss"] = np.asarray(history.history["loss"][-1])

@@ -200,7 +200,9 @@ def test_one_process_with_a_timeout_reports_its_own_stall(jobs, job, behind):
     assert code == 44, text[-4000:]
     assert behind in text, text[-4000:]
     assert "every thread's stack follows" in text and "Thread 0x" in text
-    assert took is not None and took < 30, took
+    # Ended by its own 5 s watchdog, well before the job's 150 s kill; the bound is wide for
+    # 2 busy cores running this module's 8 jobs at once (measured 31.9 s there once).
+    assert took is not None and took < 60, took
     _none_left(jobs[job].out)
 
 

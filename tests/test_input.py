@@ -355,6 +355,49 @@ def test_distribute_datasets_from_function(strategy):
     assert np.concatenate([real_rows(strategy, b) for b in batches]).tolist() == list(range(70))
 
 
+class _PeerExchange:
+    """`from_function.per_replica_batches`' agreement, as this process of two sees it: the
+    other process's values are scripted, this one's are recorded."""
+
+    def __init__(self, peer):
+        self.peer, self.sent = list(peer), []
+
+    def __call__(self, value):
+        self.sent.append(value)
+        return [value, self.peer.pop(0)]
+
+
+def test_pipelines_of_unequal_lengths_agree_on_each_steps_shape_and_the_end():
+    from mirrored._data import from_function
+
+    # Process 0 of 2 (2 replicas each): 2 steps of its own; the other process has rows in 3
+    # steps, its longest per-replica batch 3, 1 and 2 rows.
+    mine = [np.arange(2.0), np.arange(2.0, 3.0), np.arange(3.0, 6.0)]
+    exchange = _PeerExchange(["3", "1", "2", "0"])
+    batches = list(
+        from_function.per_replica_batches(mine, num_replicas=4, processes=(2, 0), exchange=exchange)
+    )
+    assert exchange.sent == ["2", "3", "0", "0"] and not exchange.peer
+    # Every step as long as the longest per-replica batch of any process so far (3 rows a
+    # replica: 12 global), this process's replicas padded, or all padding once it ran out.
+    assert [b.size for b in batches] == [12, 12, 12]
+    assert [b.mask.tolist() for b in batches] == [
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0],
+    ]
+    assert all(b.real is None for b in batches)  # counted on the devices, over processes
+    assert batches[0].leaves[0][:2].tolist() == [0.0, 1.0]
+    assert batches[2].leaves[0].shape == (6,) and batches[2].leaves[0].dtype == np.float64
+    # A process with no batch at all while another has some cannot pad: a clear error.
+    with pytest.raises(ValueError, match="process 1's yielded none while another's did"):
+        list(
+            from_function.per_replica_batches(
+                [], num_replicas=4, processes=(2, 1), exchange=_PeerExchange(["2"])
+            )
+        )
+
+
 def test_input_context_per_replica_batch_size():
     ctx = mirrored.InputContext(num_replicas_in_sync=8)
     assert ctx.get_per_replica_batch_size(64) == 8

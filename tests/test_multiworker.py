@@ -170,6 +170,10 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     np.testing.assert_allclose(
         a["dff_means"], [np.mean(np.arange(1, 13)), np.mean(np.arange(13, 20))]
     )
+    # Pipelines of unequal lengths (3 steps and 2) and first batches (2 rows and 3): the
+    # length, each step's shape and the end are agreed (before: the job hung).
+    np.testing.assert_array_equal(a["uneven_counts"], [3, 9, 11, 3])  # len(), then per step
+    np.testing.assert_allclose(a["uneven_means"], [5.0, 15.0, 22.0])
 
     # The checkpoint the 2-process job wrote restores in this single process.
     from flax import nnx

@@ -124,6 +124,28 @@ def test_an_unfinished_save_leaves_the_previous_checkpoint_usable(devices, tmp_p
     assert mirrored.restore_checkpoint(tmp_path, fresh) == 1
 
 
+def test_backup_and_restore_resumes_from_the_chiefs_choice_not_its_own_listing(
+    devices, tmp_path, monkeypatch
+):
+    # A process's own listing of the backup can be stale (a network file system), or taken
+    # before the chief deleted a finished fit's backup: every process takes the chief's
+    # choice (in a job of several, through jax.distributed's key-value store; the 2-process
+    # resume is tests/test_multiworker.py's).
+    from mirrored._core import coordination
+
+    x, y = data(64)
+    _, _, trainer = make_trainer(devices[:2])
+    keep = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    trainer.fit(x, y, batch_size=32, epochs=1, callbacks=[keep], verbose=0)
+    seen = os.path.basename(mirrored.latest_checkpoint(tmp_path))  # 2 batch saves, 1 epoch's
+    asked = []
+    monkeypatch.setattr(coordination, "chiefs", lambda mine: (asked.append(mine), "")[1])
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path)
+    history = trainer.fit(x, y, batch_size=32, epochs=2, callbacks=[backup], verbose=0)
+    assert asked == [seen] == ["3"]  # this process saw step 3; the chief saw none: no resume
+    assert len(history.history["loss"]) == 2  # resumed, it would have run epoch 2 alone
+
+
 @pytest.mark.slow
 def test_backup_and_restore_after_sigkill_matches_an_uninterrupted_fit(tmp_path):
     env = subprocess_env()

@@ -105,3 +105,9 @@ def resolve_devices(specs: Sequence[DeviceLike] | None) -> list[jax.Device]:
             f"{[device_name(d) for d in devices]}. Fix: mirror on GPUs or on CPUs, not both."
         )
     return devices
+
+
+def owning_processes(devices: Sequence[jax.Device]) -> list[int]:
+    """The indices of the processes that own `devices`, in order: every process of the job,
+    or one alone (a strategy over a process' own devices: the chief's evaluation, say)."""
+    return sorted({d.process_index for d in devices})

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrored._core import heartbeat as _heartbeat
+from mirrored._core.devices import owning_processes
 from mirrored._core.values import PerReplica
 from mirrored._data import batching as _batching
 from mirrored._data import chunks as _chunks
@@ -99,13 +100,13 @@ def process_info(strategy: Any = None) -> tuple[int, int]:
     count, index = jax.process_count(), jax.process_index()
     if strategy is None or count == 1:
         return count, index
-    owners = sorted({d.process_index for d in strategy.extended.worker_devices})
+    owners = owning_processes(strategy.extended.worker_devices)
     if len(owners) == count:
         return count, index
     return len(owners), owners.index(index) if index in owners else 0
 
 
-class _Structure:
+class Structure:
     """Checks that every batch has the structure of the first and array leaves."""
 
     def __init__(self) -> None:
@@ -125,7 +126,7 @@ class _Structure:
         return treedef, [_batching.as_host_array(x) for x in leaves]
 
 
-def _nonempty(rows: int) -> None:
+def nonempty(rows: int) -> None:
     if rows == 0:
         raise ValueError(
             "Expected a batch with at least one row; found a batch of 0 rows (0 per replica). "
@@ -184,7 +185,7 @@ def iterable_batches(
     source: Iterable[Any], *, num_replicas: int, processes: tuple[int, int]
 ) -> Iterator[HostBatch]:
     """Global batches from any iterable; the first batch's size is the static shape."""
-    structure = _Structure()
+    structure = Structure()
     target = None
     for batch in source:
         host = host_batch(
@@ -200,13 +201,13 @@ def host_batch(
     *,
     num_replicas: int,
     processes: tuple[int, int],
-    structure: _Structure | None = None,
+    structure: Structure | None = None,
 ) -> HostBatch:
     """One global batch padded to at least `target` rows (None: its own size), and a multiple
     of the replicas; this process's rows of it."""
-    treedef, leaves = (structure or _Structure()).leaves(batch)
+    treedef, leaves = (structure or Structure()).leaves(batch)
     rows = _batching.leading_size(leaves)
-    _nonempty(rows)
+    nonempty(rows)
     if target is None and rows < num_replicas:
         _batching.per_replica_batch_size(rows, num_replicas)  # raises: 0 per replica
     total = _batching.padded_size(rows, target or rows, num_replicas)
@@ -217,37 +218,6 @@ def host_batch(
         leaves = [x[local] for x in leaves]
     mask = _batching.example_mask(rows, total)[local]
     return HostBatch(treedef, leaves, mask, rows, total)
-
-
-def per_replica_batches(
-    source: Iterable[Any], *, num_replicas: int, processes: tuple[int, int]
-) -> Iterator[HostBatch]:
-    """TensorFlow's `distribute_datasets_from_function`: each local replica takes its own batch."""
-    local_replicas = num_replicas // processes[0]
-    structure = _Structure()
-    target = 0
-    elements = iter(source)
-    while group := list(itertools.islice(elements, local_replicas)):
-        parts = []
-        for batch in group:
-            treedef, leaves = structure.leaves(batch)
-            rows = _batching.leading_size(leaves)
-            _nonempty(rows)
-            parts.append((leaves, rows))
-        target = max(target, *(rows for _, rows in parts))
-        empty = [np.zeros((0, *np.shape(x)[1:]), np.asarray(x).dtype) for x in parts[0][0]]
-        parts += [(empty, 0)] * (local_replicas - len(parts))  # the data ran out mid-step
-        first = parts[0][0]  # at least one real row: a replica without data copies these
-        columns = zip(
-            *(_batching.pad_to(leaves, rows, target, first) for leaves, rows in parts),
-            strict=True,
-        )
-        leaves = [np.concatenate(column) for column in columns]
-        mask = np.concatenate([_batching.example_mask(rows, target) for _, rows in parts])
-        # Each process's pipeline sees only its own rows: across processes the real count is
-        # the sum of every process's mask, taken on the devices.
-        count = sum(rows for _, rows in parts) if processes[0] == 1 else None
-        yield HostBatch(treedef, leaves, mask, count, target * num_replicas)
 
 
 class DistributedDataset:
@@ -443,7 +413,7 @@ def _as_iterable(source: Any) -> Iterable[Any]:
     return source  # type: ignore[no-any-return]
 
 
-def _each_epoch(
+def each_epoch(
     dataset: Any, batches: Callable[[Iterable[Any]], Iterator[HostBatch]]
 ) -> Callable[[int], Iterator[HostBatch]]:
     """Iterate a re-iterable source anew every epoch; refuse a spent one-shot iterator.
@@ -557,34 +527,9 @@ def distribute_dataset(
         )
     return DistributedDataset(
         strategy,
-        _each_epoch(
+        each_epoch(
             dataset, lambda source: iterable_batches(source, num_replicas=n, processes=processes)
         ),
         length=source_length(dataset),
-        options=options,
-    )
-
-
-def distribute_from_function(
-    strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
-) -> DistributedDataset:
-    n = strategy.num_replicas_in_sync
-    processes = process_info(strategy)
-    context = InputContext(processes[0], processes[1], n)
-    dataset = dataset_fn(context)
-    if not isinstance(dataset, Iterable):
-        raise TypeError(
-            f"Expected dataset_fn to return an iterable of per-replica batches; found "
-            f"{type(dataset).__name__}. Fix: return a dataset batched with "
-            "input_context.get_per_replica_batch_size(global_batch_size)."
-        )
-    length = source_length(dataset)
-    local_replicas = n // processes[0]
-    return DistributedDataset(
-        strategy,
-        _each_epoch(
-            dataset, lambda source: per_replica_batches(source, num_replicas=n, processes=processes)
-        ),
-        length=None if length is None else math.ceil(length / local_replicas),
         options=options,
     )

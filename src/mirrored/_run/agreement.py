@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrored._core.devices import owning_processes
 from mirrored._core.mesh import is_per_replica_state
 
 
@@ -94,7 +95,7 @@ class Agreement:
     def __init__(self, devices: Sequence[Any]) -> None:
         # The processes of this strategy's devices: a strategy over one process' own devices
         # in a job of several (the chief's evaluation, say) has no one to agree with.
-        self._processes = len({d.process_index for d in devices})
+        self._processes = len(owning_processes(devices))
         self._known = Known()
 
     def is_agreed(self, variable: Any) -> bool:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mirrored._core import background
 from mirrored._core import context as _context
+from mirrored._core.coordination import coordination_client as coordination_client
 from mirrored._core.leaves import is_leaf as _is_leaf
 from mirrored._nnx import metrics
 from mirrored._run.arguments import _SPLIT, _STACKED
@@ -178,14 +179,6 @@ def _exit_at_the_end(code: int = PEER_FAILURE_EXIT_CODE) -> None:
     if not _EXIT:
         atexit.register(_exit_without_the_shutdown_barrier)
         _EXIT.append(code)
-
-
-def coordination_client() -> Any:
-    """The client of jax.distributed's coordination service (its key-value store), or None
-    in a process that did not start jax.distributed."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def _bounded(call: Any, timeout_s: float) -> list[Any]:

@@ -19,6 +19,7 @@ from mirrored._core import mesh as _mesh
 from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._core.values import PerReplica, ReduceOp, StackedBatches, ValueContext
+from mirrored._data import from_function as _from_function
 from mirrored._data import input as _input
 from mirrored._run import hang
 from mirrored._run.runner import Runner
@@ -407,7 +408,7 @@ class Strategy:
             ...     return grain.MapDataset.source(records).batch(per_replica)
             >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
         """
-        return _input.distribute_from_function(self, dataset_fn, options)
+        return _from_function.distribute_from_function(self, dataset_fn, options)
 
 
 class MirroredStrategy(Strategy):

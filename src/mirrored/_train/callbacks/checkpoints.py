@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mirrored._cluster import preemption
+from mirrored._core import coordination as _coordination
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.monitoring import _improved, _monitored
@@ -146,7 +147,12 @@ class BackupAndRestore(Callback):
         if self.save_before_preemption:
             self._batches = 0
             self._notice = preemption.TerminationNotice()
+        # Every process resumes from the chief's choice: its own listing may be stale (a
+        # network file system) or taken before the chief deleted a finished fit's backup,
+        # and a process that restored alone would wait in a collective the others skip.
         latest = self._checkpoints.latest()
+        agreed = _coordination.chiefs("" if latest is None else str(latest))
+        latest = int(agreed) if agreed else None
         if latest is None:
             return
         like = self.trainer._training_state()
