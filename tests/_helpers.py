@@ -17,11 +17,17 @@ from flax import nnx
 import mirrored
 from mirrored._core.leaves import raw_array
 
+# XLA flags of the suite and of every script it starts (set by conftest before JAX starts).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 
 def subprocess_env() -> dict[str, str]:
     """The environment for a script a test starts: its own device count and thread pool (no
-    inherited NPROC or XLA flags); the suite's compilation cache is kept."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    inherited NPROC or device-count flag); the suite's compilation cache and its XLA
+    optimisation level (`TEST_XLA_FLAGS`) are kept."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    return env
 
 
 def job_env(**extra: str) -> dict[str, str]:
