@@ -295,13 +295,66 @@ def test_arrays_placed_by_one_fit_stay_for_the_next_until_they_change(monkeypatc
     # Three fits, the last two from the devices, equal three fits from the host.
     fresh = trainer()
     histories = [fresh.fit(x, y, batch_size=64, epochs=2, verbose=0).history for _ in range(3)]
-    assert fresh._resident_data[1] is not None
+    assert fresh._device_data.placed()
     monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")
     host = trainer()
     expected = [host.fit(x, y, batch_size=64, epochs=2, verbose=0).history for _ in range(3)]
-    assert host._resident_data[1] is None
+    assert not host._device_data.placed()
     assert histories == expected
     assert _max_diff(fresh.model, host.model) == 0.0
+
+
+@pytest.mark.parametrize("replicas", [1, 8])
+def test_evaluate_predict_and_validation_keep_arrays_on_the_devices_as_fit_does(
+    monkeypatch, replicas
+):
+    """Issue 39 item 3: evaluate, predict and fit's validation keep in-memory arrays on the
+    devices as fit does (a first call that reads them at most once per replica reads from the
+    host and remembers them, the next places them, later calls reuse that copy), with the
+    host path's numbers: the ragged last batch and sample weights included, 1 and 8 replicas.
+    All the arrays kept share one budget per device, the least recently used going first."""
+    weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
+    xv, yv = X[:333], Y[:333]  # 333 rows at batch 64: a ragged last batch of 13
+
+    def calls(trainer):
+        history = trainer.fit(
+            X, Y, batch_size=64, epochs=2, validation_data=(xv, yv), seed=3, verbose=0
+        ).history
+        out = [history]
+        for _ in range(3):
+            out.append(trainer.evaluate(X, Y, batch_size=64, sample_weight=weights))
+            out.append(trainer.predict(xv, batch_size=64))
+        return out
+
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(2**30))
+    kept = adam_trainer(replicas, steps_per_execution=4)
+    got = calls(kept)
+    shapes = sorted(tuple(len(a) for a in jax.tree.leaves(p)) for p in kept._device_data.placed())
+    # validation's (placed in the first fit: its second epoch at the latest), evaluate's and
+    # predict's (by their second call); fit's own only with more epochs than replicas.
+    expected_shapes = [(333,), (333, 333), (525, 525, 525)] + ([(525, 525)] * (replicas == 1))
+    assert shapes == sorted(expected_shapes)
+    again = kept._device_data.arrays(kept.strategy, 4, X, Y, weights, uses=1)
+    assert any(again is p for p in kept._device_data.placed())  # the same copy, reused
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "0")  # every batch from the host
+    host = adam_trainer(replicas, steps_per_execution=4)
+    expected = calls(host)
+    assert not host._device_data.placed()
+    assert got[0] == expected[0] and got[1::2] == expected[1::2]
+    for ours, theirs in zip(got[2::2], expected[2::2], strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    assert _max_diff(kept.model, host.model) == 0.0
+    # One budget for all: room for evaluate's arrays (29,400 bytes) or predict's, not both.
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", "30000")
+    small = adam_trainer(replicas, steps_per_execution=4)
+    for _ in range(2):
+        small.evaluate(X, Y, batch_size=64, sample_weight=weights)
+    assert [len(p) for p in small._device_data.placed()] == [3]
+    from_host, from_devices = (small.predict(xv, batch_size=64) for _ in range(2))
+    np.testing.assert_array_equal(from_devices, from_host)
+    assert [len(p) for p in small._device_data.placed()] == [1]  # evaluate's went first
+    small.forget_data()
+    assert not small._device_data.placed()
 
 
 @pytest.mark.parametrize("processes", [(1, 0), (2, 0), (2, 1)])

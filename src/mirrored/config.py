@@ -20,11 +20,12 @@ full: JAX's bounded cache scans every entry before each write, which at 10,000 e
 1.5 s per compiled program. Like any compilation cache it is trusted code:
 do not point it at a directory others can write to.
 
-**Device-resident training data.** `Trainer(..., steps_per_execution=K > 1).fit` on
-in-memory arrays, for more epochs than replicas, places them on every device once per `fit`
-and gathers each batch there (the same batches, padding and masks as reading them from the
-host), so K batches need no copy from the host, when they take at most
-`device_data_bytes()` per device:
+**Device-resident data.** `Trainer(..., steps_per_execution=K > 1)`'s `fit` (training and
+validation arrays), `evaluate` and `predict` on in-memory arrays read more than once per
+replica (more epochs than replicas, or a second call on the same arrays) place them on every
+device once and gather each batch there (the same batches, padding and masks as reading them
+from the host), so K batches need no copy from the host, when all the arrays a trainer keeps
+take at most `device_data_bytes()` per device (the least recently used leave first):
 `DEVICE_DATA_BYTES` (1 GiB) unless `MIRRORED_DEVICE_DATA_BYTES` says otherwise (`0`: always
 from the host). On CPU devices the default is `0`: each execution's K batches are gathered on
 the host at once and placed without a copy, measured as fast as or faster than arrays kept on

@@ -12,6 +12,7 @@ import numpy as np
 
 from mirrored._core.values import to_host
 from mirrored._data.input import DistributedDataset, source_length
+from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
 from mirrored._train.batches import (
@@ -25,7 +26,8 @@ from mirrored._train.batches import (
 )
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.callback_list import CallbackList
-from mirrored._train.steps import _plus_steps
+from mirrored._train.resident import DeviceData
+from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
 
@@ -41,26 +43,46 @@ class Evaluation:
     _eval_step: Any
     _eval_additions: Any
     _predict_step: Any
+    _device_data: DeviceData
     _dataset: Callable[..., DistributedDataset]
     _zeros: Callable[..., Any]
     _read: Callable[..., dict[str, float]]
     _reset_metrics: Callable[[], None]
 
-    def _eval_dataset(self, data: Any, batch_size: int | None) -> DistributedDataset:
+    def _eval_dataset(
+        self, data: Any, batch_size: int | None, *, uses: int = 1, checked: bool = False
+    ) -> tuple[DistributedDataset, tuple[Any, ...] | None]:
+        """The batches of `data` ((x, y), (x, y, sample_weight) or a dataset), and the arrays
+        they index on the devices when kept there (`resident.DeviceData`; None: the batches
+        hold the examples). `uses`: how many passes the caller will make over them; a
+        `checked` run (numerics checks) reads from the host."""
         weights = None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
             weights = data[2] if len(data) == 3 else None
         else:
             x, y = data, None
-        return self._dataset(
+        placed = None
+        if y is not None and not (checked or _numerics.check_numerics_enabled()):
+            k = self.steps_per_execution
+            placed = self._device_data.arrays(self.strategy, k, x, y, weights, uses=uses)
+        if placed is not None:  # index batches into the arrays on the devices
+            x, y, weights = np.arange(len(jax.tree.leaves(x)[0])), None, None
+        dataset = self._dataset(
             x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
         )
+        return dataset, placed
 
     def _run_eval(
-        self, dataset: DistributedDataset, callbacks: CallbackList, *, prefix: str = ""
+        self,
+        dataset: DistributedDataset,
+        callbacks: CallbackList,
+        *,
+        prefix: str = "",
+        placed: tuple[Any, ...] | None = None,
     ) -> dict[str, float]:
-        """One pass over `dataset`; `callbacks` get Keras' test hooks (fit's, when validating)."""
+        """One pass over `dataset`; `callbacks` get Keras' test hooks (fit's, when validating).
+        With `placed`, the batches are index batches into those arrays on the devices."""
         per_step = callbacks.overrides("on_test_batch_begin") or callbacks.overrides(
             "on_test_batch_end"
         )
@@ -69,7 +91,12 @@ class Evaluation:
         totals = self._zeros()
         self._reset_metrics()
         k = self.steps_per_execution  # in-memory arrays: K batches gathered at once
-        batches = _epoch_batches(dataset, 1, 0, k if k > 1 else 0)
+        batches = _epoch_batches(dataset, 1, 0, k if k > 1 and placed is None else 0)
+        eval_step, eval_additions = self._eval_step, self._eval_additions
+        rows: tuple[Any, ...] = ()
+        if placed is not None:
+            eval_step, eval_additions = _gathering(eval_step), _gathering(eval_additions)
+            rows = (placed,)
         step = 0
         # steps_per_execution: K evaluation steps in one program, hooks every K steps (Keras).
         while chunk := _next_chunk(batches, k):
@@ -77,14 +104,14 @@ class Evaluation:
                 callbacks.on_test_batch_begin(step, logs={})
             if isinstance(chunk, list) and k == 1:  # never stacked at K = 1
                 totals = self.strategy.run(
-                    self._eval_step, args=(self.model, totals, self._stateful, *chunk[0])
+                    eval_step, args=(self.model, totals, self._stateful, *rows, *chunk[0])
                 )
             else:
                 additions = self.strategy.run_steps(
-                    self._eval_additions,
+                    eval_additions,
                     _steps_of(chunk),
                     steps=len(chunk),
-                    args=(self.model, self._stateful),
+                    args=(self.model, self._stateful, *rows),
                 )
                 totals = _plus_steps(totals, additions)
             step += len(chunk)
@@ -125,7 +152,8 @@ class Evaluation:
             _arguments.check_model_input(self.model, x, None, "evaluate")
         weighted = sample_weight is not None
         data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
-        dataset = self._eval_dataset(data, batch_size)
+        checked = any(c.checks_numerics for c in callbacks)
+        dataset, placed = self._eval_dataset(data, batch_size, checked=checked)
         callback_list = CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose)
         callback_list.set_trainer(
             self,
@@ -136,7 +164,7 @@ class Evaluation:
                 "verbose": verbose,
             },
         )
-        return self._run_eval(dataset, callback_list)
+        return self._run_eval(dataset, callback_list, placed=placed)
 
     @_eager_when_asked
     def predict(
@@ -156,6 +184,13 @@ class Evaluation:
         verbose = _arguments.check_verbose(verbose)
         if _is_arrays(x):
             _arguments.check_model_input(self.model, x, None, "predict")
+        placed = None
+        if not (_numerics.check_numerics_enabled() or any(c.checks_numerics for c in callbacks)):
+            placed = self._device_data.arrays(self.strategy, self.steps_per_execution, x, uses=1)
+        predict_step = self._predict_step if placed is None else _gathering(self._predict_step)
+        held: tuple[Any, ...] = () if placed is None else (placed,)
+        if placed is not None:  # index batches into the arrays on the devices
+            x = np.arange(len(jax.tree.leaves(x)[0]))
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
         callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})
@@ -169,8 +204,8 @@ class Evaluation:
             if per_step:
                 callback_list.on_predict_batch_begin(step, {})
             out = self.strategy.run(
-                self._predict_step,
-                args=(self.model, batch[0] if isinstance(batch, tuple | list) else batch),
+                predict_step,
+                args=(self.model, *held, batch[0] if isinstance(batch, tuple | list) else batch),
             )
             outputs.append(out)
             if per_step:  # the batch's outputs on the host, real rows only (a sync per batch)

@@ -96,13 +96,13 @@ class FitLoop:
     _zeros: Callable[..., Any]
     _read: Callable[..., dict[str, float]]
     _reset_metrics: Callable[[], None]
-    _eval_dataset: Callable[..., DistributedDataset]
+    _eval_dataset: Callable[..., Any]
     _run_eval: Callable[..., Any]
     _host_rows: Callable[..., Any]
     # The prediction shape of each input structure whose first batch was looked at.
     _predictions_seen: dict[Any, tuple[int, ...]]
     # The training arrays last given to fit (`_identity`) and their copy on the devices.
-    _resident_data: tuple[Any, tuple[Any, ...] | None]
+    _device_data: _resident.DeviceData
     # A checked step's non-finite values, found right after it (a callback that
     # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
     _non_finite: _numerics.NonFiniteError | None
@@ -307,8 +307,10 @@ class FitLoop:
                 ahead = _epoch_batches(train, epoch + 2, 0, chunked)
             logs = self._read(self._train_totals)
             if validation_data is not None:
-                dataset = self._eval_dataset(validation_data, batch_size)
-                logs.update(self._run_eval(dataset, callback_list, prefix="val_"))
+                dataset, placed = self._eval_dataset(
+                    validation_data, batch_size, uses=epochs - initial_epoch, checked=checked
+                )
+                logs.update(self._run_eval(dataset, callback_list, prefix="val_", placed=placed))
                 self.model.train()
             callback_list.on_epoch_end(epoch, logs)
             self._last_logs = logs
@@ -351,16 +353,18 @@ class FitLoop:
     ) -> tuple[Any, ...] | None:
         """The training arrays on the devices, or None to read batches from the host
         (`mirrored._train.resident`)."""
-        return _resident.arrays_on_devices(self, x, y, sample_weight, epochs=epochs)
+        return self._device_data.arrays(
+            self.strategy, self.steps_per_execution, x, y, sample_weight, uses=epochs
+        )
 
     def forget_data(self) -> None:
-        """Release the training arrays `fit` keeps on the devices between calls.
+        """Release the arrays `fit`, `evaluate` and `predict` keep on the devices between calls.
 
         With `steps_per_execution` > 1, in-memory arrays placed on the devices stay there for
-        the next `fit` on the same arrays (recognised by the objects, shapes, dtypes and a
+        the next call on the same arrays (recognised by the objects, shapes, dtypes and a
         sample of rows). After changing such an array in place, call this (or pass a new
-        array) so the next `fit` places the new values."""
-        self._resident_data = (None, None)
+        array) so the next call places the new values."""
+        self._device_data.forget()
 
     def _train_on(self, chunk: Chunk, data: tuple[Any, ...] | None) -> None:
         """Train on the batches of `chunk`: one `run` per batch, or all in one program;

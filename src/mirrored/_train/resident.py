@@ -1,8 +1,10 @@
-"""Training arrays kept on the devices across `fit` calls (`steps_per_execution` > 1): placed
-once, each step gathers its batch there, from the same index batches as the host path."""
+"""In-memory arrays kept on the devices across `fit`, `evaluate` and `predict` calls
+(`steps_per_execution` > 1): placed once, each step gathers its batch there, from the same
+index batches as the host path."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -12,49 +14,97 @@ from mirrored._core import settings as config
 from mirrored._data import batching as _batching
 from mirrored._train.batches import _is_arrays, _sample_weights
 
+# Arrays remembered (placed or seen once) per trainer, least recently used forgotten first.
+REMEMBERED = 8
 
-def arrays_on_devices(
-    loop: Any, x: Any, y: Any, sample_weight: Any, *, epochs: int
-) -> tuple[Any, ...] | None:
-    """With `steps_per_execution` > 1, the training arrays placed on every device, or None
-    to read batches from the host. From the host: one step per execution (measured: as
-    fast as from the devices), a dataset, several processes, or arrays over
-    `mirrored.config.device_data_bytes()` (on CPU devices, unless set: none; there, K batches
-    gathered at once on the host and placed without a copy are as fast).
 
-    Placed once, the arrays stay for the trainer's next `fit` on the same arrays (the same
-    objects, shapes and dtypes, and the same values at a sample of rows): the copy is paid
-    once, not per call. A first `fit` of `epochs` ≤ the replica count reads from the host
-    (placing N copies up front moves more than N epochs read; measured slower), and the
-    arrays are placed on the second `fit` over them."""
-    if loop.steps_per_execution == 1 or jax.process_count() > 1:
-        return None
-    if not (_is_arrays(x) and _is_arrays(y)):
-        return None
-    arrays: tuple[Any, ...] = (x, y)
-    if sample_weight is not None:
-        arrays = (x, y, _sample_weights(sample_weight, x))
-    arrays = jax.tree.map(_batching.as_host_array, arrays)
-    platform = next(iter(loop.strategy._replicated.device_set)).platform
-    if sum(a.nbytes for a in jax.tree.leaves(arrays)) > config.device_data_bytes(platform):
-        return None
-    _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
-    key = identity((x, y, sample_weight), arrays)
-    seen, placed = loop._resident_data
-    if seen == key and placed is not None:
-        return placed  # type: ignore[no-any-return]
-    if epochs <= loop.strategy.num_replicas_in_sync and seen != key:
-        loop._resident_data = (key, None)  # placed if the next fit reads them again
-        return None
-    placed = tuple(jax.device_put(arrays, loop.strategy._replicated))
-    loop._resident_data = (key, placed)
-    return placed
+class DeviceData:
+    """A trainer's arrays on the devices, by `identity`: those placed (within the
+    per-device budget `mirrored.config.device_data_bytes()`, all of them together) and those
+    seen once, to be placed if they come again."""
+
+    def __init__(self) -> None:
+        self._entries: collections.OrderedDict[Any, tuple[Any, ...] | None] = (
+            collections.OrderedDict()
+        )
+
+    def forget(self) -> None:
+        self._entries.clear()
+
+    def placed(self) -> list[tuple[Any, ...]]:
+        return [v for v in self._entries.values() if v is not None]
+
+    def arrays(
+        self,
+        strategy: Any,
+        steps_per_execution: int,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        uses: int,
+    ) -> tuple[Any, ...] | None:
+        """(x,), (x, y) or (x, y, one weight per example) placed on every device of
+        `strategy`, or None to read batches from the host. From the host: one step per
+        execution (measured: as fast as from the devices), a dataset, several processes, or
+        arrays over the budget (on CPU devices, unless set: none; there, K batches gathered at
+        once on the host and placed without a copy are as fast).
+
+        Placed once, the arrays stay for the trainer's later calls on the same arrays (the
+        same objects, shapes and dtypes, and the same values at a sample of rows): the copy is
+        paid once, not per call. A first call that reads them at most the replica count of
+        times (`uses`: fit's epochs; 1 for `evaluate` and `predict`) reads from the host
+        (placing N copies up front moves more than N reads; measured slower), and the arrays
+        are placed by the next call over them."""
+        if steps_per_execution == 1 or jax.process_count() > 1:
+            return None
+        parts = (x,) if y is None else (x, y)
+        if not all(_is_arrays(a) for a in parts):
+            return None
+        if sample_weight is not None:
+            parts = (*parts, _sample_weights(sample_weight, x))
+        arrays = jax.tree.map(_batching.as_host_array, parts)
+        platform = next(iter(strategy._replicated.device_set)).platform
+        budget = config.device_data_bytes(platform)
+        size = _nbytes(arrays)
+        if size > budget:
+            return None
+        _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
+        key = identity((x, y, sample_weight), arrays)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            if self._entries[key] is not None:
+                return self._entries[key]
+        else:
+            # The same objects with other values (changed in place): the old copy is stale.
+            for old in [k for k in self._entries if k[0] == key[0]]:
+                del self._entries[old]
+            if uses <= strategy.num_replicas_in_sync:
+                self._remember(key, None)  # placed if the next call reads them again
+                return None
+        # Room within the budget: the least recently used placed arrays go first.
+        while _nbytes(self.placed()) + size > budget:
+            oldest = next(k for k, v in self._entries.items() if v is not None)
+            del self._entries[oldest]
+        placed = tuple(jax.device_put(arrays, strategy._replicated))
+        self._remember(key, placed)
+        return placed
+
+    def _remember(self, key: Any, placed: tuple[Any, ...] | None) -> None:
+        self._entries[key] = placed
+        self._entries.move_to_end(key)
+        while len(self._entries) > REMEMBERED:
+            self._entries.popitem(last=False)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
 
 
 def identity(given: Any, arrays: Any) -> tuple[Any, ...]:
-    """What says that `fit` was given the same training arrays again: the objects passed,
-    and each array's shape, dtype and values at up to 64 rows spread over it. An array
-    changed in place elsewhere must be passed as a new array (or `Trainer.forget_data()`)."""
+    """What says that a call was given the same arrays again: the objects passed, and each
+    array's shape, dtype and values at up to 64 rows spread over it. An array changed in
+    place elsewhere must be passed as a new array (or `Trainer.forget_data()`)."""
     objects = tuple(id(a) for a in jax.tree.leaves(given))
     facts = []
     for a in jax.tree.leaves(arrays):

@@ -22,6 +22,7 @@ from mirrored._persist import checkpoint as _checkpoint
 from mirrored._run.errors import peer_failures
 from mirrored._strategy.strategy import Strategy, get_strategy
 from mirrored._train import objectives as _objectives
+from mirrored._train import resident as _resident
 from mirrored._train.batches import (
     _batch_args,
     _check_batch_size,
@@ -202,7 +203,7 @@ class Trainer(FitLoop, Evaluation):
         self._interrupted = False
         self._non_finite = None
         self._dispatched = collections.deque(maxlen=4096)
-        self._predictions_seen, self._resident_data = {}, (None, None)
+        self._predictions_seen, self._device_data = {}, _resident.DeviceData()
 
     # -- state for checkpoints --------------------------------------------------------------
 
