@@ -184,6 +184,35 @@ def main():
     y = np.concatenate([b[1] for b in global_batches(4, 50, seed=1)])[:190]
     k_history = per_k.fit(x, y, batch_size=32, sample_weight=weights, verbose=0)
 
+    # 5b. The same arrays kept on the devices: the second fit places them, the second
+    # evaluate too; each process its own copy. The chief's choice holds on every process
+    # (here the others' own limit says "from the host"). The numbers are the host path's.
+    def fits_and_evaluates(budget):
+        os.environ["MIRRORED_DEVICE_DATA_BYTES"] = budget
+        with strategy.scope():
+            model = SmallMLP(rngs=nnx.Rngs(0))
+            trainer = mirrored.Trainer(
+                model,
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=3,
+            )
+        fits = [
+            trainer.fit(x, y, batch_size=32, sample_weight=weights, verbose=0).history
+            for _ in range(2)
+        ]
+        evaluations = [trainer.evaluate(x, y, batch_size=32) for _ in range(2)]
+        predicted = trainer.predict(x[:37], batch_size=16)
+        return len(trainer._device_data.placed()), fits, evaluations, predicted, flat(model)
+
+    kept = fits_and_evaluates(str(2**30) if strategy.is_chief else "0")
+    host = fits_and_evaluates("0")
+    del os.environ["MIRRORED_DEVICE_DATA_BYTES"]
+    same = kept[1:3] == host[1:3] and np.array_equal(kept[3], host[3])
+    same = same and all(np.array_equal(kept[4][k], host[4][k]) for k in host[4])
+    print(f"device data placed {kept[0]} / {host[0]} equal {same}", flush=True)
+
     if strategy.is_chief:
         # A strategy over the chief's own devices (its evaluation, say): its first step has
         # no other process to agree with (before: a broadcast over every process, run by the

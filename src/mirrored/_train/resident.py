@@ -5,12 +5,15 @@ index batches as the host path."""
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import jax
 import numpy as np
 
+from mirrored._core import coordination as _coordination
 from mirrored._core import settings as config
+from mirrored._core.devices import owning_processes
 from mirrored._data import batching as _batching
 from mirrored._train.batches import _is_arrays, _sample_weights
 
@@ -46,9 +49,11 @@ class DeviceData:
     ) -> tuple[Any, ...] | None:
         """(x,), (x, y) or (x, y, one weight per example) placed on every device of
         `strategy`, or None to read batches from the host. From the host: one step per
-        execution (measured: as fast as from the devices), a dataset, several processes, or
-        arrays over the budget (on CPU devices, unless set: none; there, K batches gathered at
-        once on the host and placed without a copy are as fast).
+        execution (measured: as fast as from the devices), a dataset, a strategy over some
+        but not all processes of a job, or arrays over the budget (on CPU devices, unless
+        set: none; there, K batches gathered at once on the host and placed without a copy
+        are as fast). On several processes the chief's choice holds for every process (each
+        places its own copy on its own devices).
 
         Placed once, the arrays stay for the trainer's later calls on the same arrays (the
         same objects, shapes and dtypes, and the same values at a sample of rows): the copy is
@@ -56,7 +61,9 @@ class DeviceData:
         times (`uses`: fit's epochs; 1 for `evaluate` and `predict`) reads from the host
         (placing N copies up front moves more than N reads; measured slower), and the arrays
         are placed by the next call over them."""
-        if steps_per_execution == 1 or jax.process_count() > 1:
+        devices = list(strategy._replicated.device_set)
+        processes = len(owning_processes(devices))
+        if steps_per_execution == 1 or processes not in (1, jax.process_count()):
             return None
         parts = (x,) if y is None else (x, y)
         if not all(_is_arrays(a) for a in parts):
@@ -64,29 +71,32 @@ class DeviceData:
         if sample_weight is not None:
             parts = (*parts, _sample_weights(sample_weight, x))
         arrays = jax.tree.map(_batching.as_host_array, parts)
-        platform = next(iter(strategy._replicated.device_set)).platform
-        budget = config.device_data_bytes(platform)
+        budget = config.device_data_bytes(devices[0].platform)
         size = _nbytes(arrays)
-        if size > budget:
-            return None
         _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
         key = identity((x, y, sample_weight), arrays)
+        kept = self._entries.get(key)
         if key in self._entries:
             self._entries.move_to_end(key)
-            if self._entries[key] is not None:
-                return self._entries[key]
         else:
             # The same objects with other values (changed in place): the old copy is stale.
             for old in [k for k in self._entries if k[0] == key[0]]:
                 del self._entries[old]
-            if uses <= strategy.num_replicas_in_sync:
+        place = size <= budget and (key in self._entries or uses > strategy.num_replicas_in_sync)
+        if processes > 1:
+            # Every process must take the same path (the programs differ): the chief's.
+            place = _coordination.chiefs("place" if place else "host") == "place"
+        if not place:
+            if size <= budget:
                 self._remember(key, None)  # placed if the next call reads them again
-                return None
+            return None
+        if kept is not None:
+            return kept
         # Room within the budget: the least recently used placed arrays go first.
-        while _nbytes(self.placed()) + size > budget:
+        while self.placed() and _nbytes(self.placed()) + size > budget:
             oldest = next(k for k, v in self._entries.items() if v is not None)
             del self._entries[oldest]
-        placed = tuple(jax.device_put(arrays, strategy._replicated))
+        placed = tuple(jax.tree.map(functools.partial(_replicated, strategy), arrays))
         self._remember(key, placed)
         return placed
 
@@ -95,6 +105,18 @@ class DeviceData:
         self._entries.move_to_end(key)
         while len(self._entries) > REMEMBERED:
             self._entries.popitem(last=False)
+
+
+def _replicated(strategy: Any, array: np.ndarray) -> jax.Array:
+    """`array` on every device of `strategy`, each process placing its own copy on its own
+    devices (no check that the processes' copies agree: each device reads the rows its
+    process would have sent from the host, so the numbers are the host path's either way)."""
+    sharding = strategy._replicated
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    local = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    shards = jax.device_put([array] * len(local), local)
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
 
 
 def _nbytes(tree: Any) -> int:
