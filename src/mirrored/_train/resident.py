@@ -73,6 +73,8 @@ class DeviceData:
         arrays = jax.tree.map(_batching.as_host_array, parts)
         budget = config.device_data_bytes(devices[0].platform)
         size = _nbytes(arrays)
+        if size > budget and processes == 1:
+            return None
         _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
         key = identity((x, y, sample_weight), arrays)
         kept = self._entries.get(key)
