@@ -645,6 +645,40 @@ def test_what_keras_accepts_is_accepted(env):
     assert len(CASES) + len(CLI) >= 80
 
 
+def test_the_model_input_check_traces_once_per_call_and_input_shape(env, monkeypatch):
+    """Issue 39: the check that x fits the model (a trace of the model on one example, ~5 ms)
+    runs once per trainer, kind of call and input shape, not at every fit; an x of another
+    shape is still checked, and a wrong feature count is still the clear error."""
+    with env["strategy"].scope():
+        trainer = mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(1)),
+            optax.sgd(0.1),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+        )
+    traced = []
+    eval_shape = jax.eval_shape
+
+    def counted(function, *args, **kwargs):
+        if function.__module__ == "mirrored._train.arguments":  # the check's trace
+            traced.append(function)
+        return eval_shape(function, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "eval_shape", counted)
+    for _ in range(3):
+        trainer.fit(X, Y, batch_size=16, verbose=0)
+    assert len(traced) == 1
+    trainer.evaluate(X, Y, batch_size=16)
+    trainer.evaluate(X[:17], Y[:17], batch_size=16)  # fewer examples: the same example shape
+    trainer.predict(X, batch_size=16)
+    assert len(traced) == 3  # fit, evaluate, predict: once each
+    with pytest.raises(ValueError, match=r"found examples of x: \(11,\)"):
+        trainer.fit(X[:, :11], Y, batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"found examples of x: \(11,\)"):
+        trainer.fit(X[:, :11], Y, batch_size=16, verbose=0)  # a failed check is not kept
+    assert len(traced) == 5
+
+
 def _fitted(env, optimizer, **fit_kwargs):
     with env["strategy"].scope():
         trainer = mirrored.Trainer(

@@ -43,6 +43,7 @@ class Evaluation:
     _eval_step: Any
     _eval_additions: Any
     _predict_step: Any
+    _inputs_checked: set[Any]
     _device_data: DeviceData
     _dataset: Callable[..., DistributedDataset]
     _zeros: Callable[..., Any]
@@ -149,7 +150,7 @@ class Evaluation:
         verbose = _arguments.check_verbose(verbose)
         _arguments.check_labels_given(x, y, "evaluate")
         if _is_arrays(x):
-            _arguments.check_model_input(self.model, x, None, "evaluate")
+            _arguments.check_model_input(self.model, x, None, "evaluate", self._inputs_checked)
         weighted = sample_weight is not None
         data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
         checked = any(c.checks_numerics for c in callbacks)
@@ -183,7 +184,7 @@ class Evaluation:
         callbacks = _arguments.as_callbacks(callbacks)
         verbose = _arguments.check_verbose(verbose)
         if _is_arrays(x):
-            _arguments.check_model_input(self.model, x, None, "predict")
+            _arguments.check_model_input(self.model, x, None, "predict", self._inputs_checked)
         placed = None
         if not (_numerics.check_numerics_enabled() or any(c.checks_numerics for c in callbacks)):
             placed = self._device_data.arrays(self.strategy, self.steps_per_execution, x, uses=1)

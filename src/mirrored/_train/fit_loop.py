@@ -88,6 +88,7 @@ class FitLoop:
     _train_step: Any
     _train_additions: Any
     _predict_step: Any
+    _inputs_checked: set[Any]
     _train_totals: Any
     _epoch: int
     _interrupted: bool
@@ -166,7 +167,7 @@ class FitLoop:
         for callback in callbacks:
             callback.check()
         if _is_arrays(x):
-            _arguments.check_model_input(self.model, x, self.rngs, "fit")
+            _arguments.check_model_input(self.model, x, self.rngs, "fit", self._inputs_checked)
         if not isinstance(validation_split, float | int) or not 0.0 <= validation_split < 1.0:
             raise ValueError(
                 f"Expected validation_split in [0, 1); found {validation_split!r}. Fix: e.g. "
@@ -285,7 +286,9 @@ class FitLoop:
                 if epoch == first_epoch and step == first_step:
                     first = _first_of(chunk, self.strategy, data)
                     if not _is_arrays(x):  # arrays were checked before anything began
-                        _arguments.check_model_input(self.model, first[0], self.rngs, "fit")
+                        _arguments.check_model_input(
+                            self.model, first[0], self.rngs, "fit", self._inputs_checked
+                        )
                     self._check_first_batch(first, y)
                 self._train_checked(chunk, data, epoch, step, checked_steps)
                 step += len(chunk)

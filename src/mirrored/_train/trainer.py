@@ -204,6 +204,7 @@ class Trainer(FitLoop, Evaluation):
         self._non_finite = None
         self._dispatched = collections.deque(maxlen=4096)
         self._predictions_seen, self._device_data = {}, _resident.DeviceData()
+        self._inputs_checked: set[Any] = set()  # check_model_input's, passed
 
     # -- state for checkpoints --------------------------------------------------------------
 
