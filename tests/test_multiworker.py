@@ -152,7 +152,7 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     assert "[rank 0] chief alone trained on 2 replicas" in stdout
     # Arrays kept on the devices by the chief's choice (rank 1's own limit said no, so it
     # keeps only the copy in use), with the host path's numbers on each process.
-    assert "[rank 0] device data placed 2 / 0 equal True" in stdout
+    assert "[rank 0] device data placed 3 / 0 equal True" in stdout
     assert "[rank 1] device data placed 1 / 0 equal True" in stdout
     assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)

@@ -357,6 +357,38 @@ def test_evaluate_predict_and_validation_keep_arrays_on_the_devices_as_fit_does(
     assert not small._device_data.placed()
 
 
+def test_kept_arrays_are_never_another_arrays_and_validation_leaves_trainings_in_place(
+    monkeypatch,
+):
+    """A fresh array at the id of a freed one, equal at the sampled rows (a loop over edited
+    copies), is read anew, never answered with the freed one's copy; fit's validation arrays
+    that do not fit beside its training arrays are read from the host, the training arrays
+    staying on the devices for the next fit."""
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(2**30))
+    trainer = adam_trainer(1, steps_per_execution=4)
+    host = adam_trainer(1)  # one step per execution: always from the host
+    sampled = np.unique(np.linspace(0, len(X) - 1, num=64, dtype=np.int64))
+    edited = np.setdiff1d(np.arange(len(X)), sampled)
+    for i in range(6):
+        copy = X.copy()
+        copy[edited] = float(i)  # other values, the same at the sampled rows
+        for _ in range(2):  # the second call places it
+            np.testing.assert_array_equal(
+                trainer.predict(copy, batch_size=64), host.predict(copy, batch_size=64)
+            )
+        del copy
+    train, val = (X[:400], Y[:400]), (X[400:], Y[400:])
+    budget = sum(a.nbytes for a in train) + sum(a.nbytes for a in val) - 1
+    monkeypatch.setenv("MIRRORED_DEVICE_DATA_BYTES", str(budget))
+    fitting = adam_trainer(1, steps_per_execution=4)
+    fitting.fit(*train, batch_size=64, epochs=2, validation_data=val, verbose=0)
+    (kept,) = fitting._device_data.placed()
+    assert [len(a) for a in kept] == [400, 400]
+    fitting.fit(*train, batch_size=64, epochs=2, validation_data=val, verbose=0)
+    (again,) = fitting._device_data.placed()
+    assert again is kept
+
+
 @pytest.mark.parametrize("processes", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize(("rows", "shuffle"), [(230, True), (190, False)])
 def test_chunks_hold_the_batches_rows_padding_and_masks(processes, rows, shuffle):

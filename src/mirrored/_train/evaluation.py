@@ -51,12 +51,19 @@ class Evaluation:
     _reset_metrics: Callable[[], None]
 
     def _eval_dataset(
-        self, data: Any, batch_size: int | None, *, uses: int = 1, checked: bool = False
+        self,
+        data: Any,
+        batch_size: int | None,
+        *,
+        uses: int = 1,
+        checked: bool = False,
+        in_use: tuple[Any, ...] | None = None,
     ) -> tuple[DistributedDataset, tuple[Any, ...] | None]:
         """The batches of `data` ((x, y), (x, y, sample_weight) or a dataset), and the arrays
         they index on the devices when kept there (`resident.DeviceData`; None: the batches
         hold the examples). `uses`: how many passes the caller will make over them; a
-        `checked` run (numerics checks) reads from the host."""
+        `checked` run (numerics checks) reads from the host; `in_use`: arrays kept on the
+        devices that the caller still reads (they stay)."""
         weights = None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
@@ -66,7 +73,9 @@ class Evaluation:
         placed = None
         if y is not None and not (checked or _numerics.check_numerics_enabled()):
             k = self.steps_per_execution
-            placed = self._device_data.arrays(self.strategy, k, x, y, weights, uses=uses)
+            placed = self._device_data.arrays(
+                self.strategy, k, x, y, weights, uses=uses, in_use=in_use
+            )
         if placed is not None:  # index batches into the arrays on the devices
             x, y, weights = np.arange(len(jax.tree.leaves(x)[0])), None, None
         dataset = self._dataset(

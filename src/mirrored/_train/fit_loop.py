@@ -311,7 +311,11 @@ class FitLoop:
             logs = self._read(self._train_totals)
             if validation_data is not None:
                 dataset, placed = self._eval_dataset(
-                    validation_data, batch_size, uses=epochs - initial_epoch, checked=checked
+                    validation_data,
+                    batch_size,
+                    uses=epochs - initial_epoch,
+                    checked=checked,
+                    in_use=data,  # the training arrays stay while validating
                 )
                 logs.update(self._run_eval(dataset, callback_list, prefix="val_", placed=placed))
                 self.model.train()

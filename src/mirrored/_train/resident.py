@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -21,21 +22,24 @@ from mirrored._train.batches import _is_arrays, _sample_weights
 REMEMBERED = 8
 
 
+class _Entry(NamedTuple):
+    objects: tuple[weakref.ref[Any], ...]  # the arrays given (an id can be reused once freed)
+    placed: tuple[Any, ...] | None  # None: seen once, placed if given again
+
+
 class DeviceData:
     """A trainer's arrays on the devices, by `identity`: those placed (within the
     per-device budget `mirrored.config.device_data_bytes()`, all of them together) and those
     seen once, to be placed if they come again."""
 
     def __init__(self) -> None:
-        self._entries: collections.OrderedDict[Any, tuple[Any, ...] | None] = (
-            collections.OrderedDict()
-        )
+        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
 
     def forget(self) -> None:
         self._entries.clear()
 
     def placed(self) -> list[tuple[Any, ...]]:
-        return [v for v in self._entries.values() if v is not None]
+        return [e.placed for e in self._entries.values() if e.placed is not None]
 
     def arrays(
         self,
@@ -46,14 +50,16 @@ class DeviceData:
         sample_weight: Any = None,
         *,
         uses: int,
+        in_use: tuple[Any, ...] | None = None,
     ) -> tuple[Any, ...] | None:
         """(x,), (x, y) or (x, y, one weight per example) placed on every device of
         `strategy`, or None to read batches from the host. From the host: one step per
         execution (measured: as fast as from the devices), a dataset, a strategy over some
         but not all processes of a job, or arrays over the budget (on CPU devices, unless
         set: none; there, K batches gathered at once on the host and placed without a copy
-        are as fast). On several processes the chief's choice holds for every process (each
-        places its own copy on its own devices).
+        are as fast) or over what is left of it beside `in_use` (arrays the caller still
+        reads: fit's training arrays while it validates). On several processes the chief's
+        choice holds for every process (each places its own copy on its own devices).
 
         Placed once, the arrays stay for the trainer's later calls on the same arrays (the
         same objects, shapes and dtypes, and the same values at a sample of rows): the copy is
@@ -71,39 +77,50 @@ class DeviceData:
         if sample_weight is not None:
             parts = (*parts, _sample_weights(sample_weight, x))
         arrays = jax.tree.map(_batching.as_host_array, parts)
-        budget = config.device_data_bytes(devices[0].platform)
+        given = jax.tree.leaves((x, y, sample_weight))
+        room = config.device_data_bytes(devices[0].platform) - _nbytes(in_use)
         size = _nbytes(arrays)
-        if size > budget and processes == 1:
+        if size > room and processes == 1:
             return None
         _batching.leading_size(jax.tree.leaves(arrays))  # one length, or its error
         key = identity((x, y, sample_weight), arrays)
-        kept = self._entries.get(key)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-        else:
-            # The same objects with other values (changed in place): the old copy is stale.
+        entry = self._entries.get(key)
+        if entry is not None and not _same(entry.objects, given):
+            entry = None  # other arrays, at the ids of freed ones
+        if entry is None:
+            # Entries for the same objects with other values (changed in place) are stale.
             for old in [k for k in self._entries if k[0] == key[0]]:
                 del self._entries[old]
-        place = size <= budget and (key in self._entries or uses > strategy.num_replicas_in_sync)
+        else:
+            self._entries.move_to_end(key)
+        place = size <= room and (entry is not None or uses > strategy.num_replicas_in_sync)
         if processes > 1:
             # Every process must take the same path (the programs differ): the chief's.
             place = _coordination.chiefs("place" if place else "host") == "place"
-        if not place:
-            if size <= budget:
-                self._remember(key, None)  # placed if the next call reads them again
+        try:
+            objects = tuple(weakref.ref(a) for a in given)
+        except TypeError:  # an array type without weak references: not remembered
+            objects = None
+        if not place or (objects is None and processes == 1):
+            if size <= room and objects is not None:
+                self._remember(key, _Entry(objects, None))  # placed if given again
             return None
-        if kept is not None:
-            return kept
-        # Room within the budget: the least recently used placed arrays go first.
-        while self.placed() and _nbytes(self.placed()) + size > budget:
-            oldest = next(k for k, v in self._entries.items() if v is not None)
-            del self._entries[oldest]
+        if entry is not None and entry.placed is not None:
+            return entry.placed
+        # Room within the budget: the least recently used placed arrays (not `in_use`) are
+        # dropped to "seen once".
+        for k, old in list(self._entries.items()):
+            if _nbytes([p for p in self.placed() if p is not in_use]) + size <= room:
+                break
+            if old.placed is not None and old.placed is not in_use:
+                self._entries[k] = _Entry(old.objects, None)
         placed = tuple(jax.tree.map(functools.partial(_replicated, strategy), arrays))
-        self._remember(key, placed)
+        if objects is not None:
+            self._remember(key, _Entry(objects, placed))
         return placed
 
-    def _remember(self, key: Any, placed: tuple[Any, ...] | None) -> None:
-        self._entries[key] = placed
+    def _remember(self, key: Any, entry: _Entry) -> None:
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > REMEMBERED:
             self._entries.popitem(last=False)
@@ -121,6 +138,10 @@ def _replicated(strategy: Any, array: np.ndarray) -> jax.Array:
     return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
 
 
+def _same(objects: tuple[weakref.ref[Any], ...], given: list[Any]) -> bool:
+    return all(r() is a for r, a in zip(objects, given, strict=True))
+
+
 def _nbytes(tree: Any) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(tree))
 
@@ -129,7 +150,7 @@ def identity(given: Any, arrays: Any) -> tuple[Any, ...]:
     """What says that a call was given the same arrays again: the objects passed, and each
     array's shape, dtype and values at up to 64 rows spread over it. An array changed in
     place elsewhere must be passed as a new array (or `Trainer.forget_data()`)."""
-    objects = tuple(id(a) for a in jax.tree.leaves(given))
+    objects = (jax.tree.structure(given), tuple(id(a) for a in jax.tree.leaves(given)))
     facts = []
     for a in jax.tree.leaves(arrays):
         rows = np.unique(np.linspace(0, len(a) - 1, num=min(64, len(a)), dtype=np.int64))
