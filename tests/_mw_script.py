@@ -170,15 +170,18 @@ def main():
 
     # 5. K steps per execution from in-memory arrays (read from the host on several
     # processes: K batches gathered at once, each process its rows), sample weights, ragged.
-    with strategy.scope():
-        chunked = SmallMLP(rngs=nnx.Rngs(0))
-        per_k = mirrored.Trainer(
-            chunked,
-            optax.adam(0.01),
-            "sparse_categorical_crossentropy",
-            from_logits=True,
-            steps_per_execution=3,
-        )
+    def k3_trainer():
+        with strategy.scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=3,
+            )
+
+    per_k = k3_trainer()
+    chunked = per_k.model
     weights = np.linspace(0.5, 1.5, 190).astype(np.float32)
     x = np.concatenate([b[0] for b in global_batches(4, 50, seed=1)])[:190]
     y = np.concatenate([b[1] for b in global_batches(4, 50, seed=1)])[:190]
@@ -191,22 +194,14 @@ def main():
 
     def fits_and_evaluates(budget):
         os.environ["MIRRORED_DEVICE_DATA_BYTES"] = budget
-        with strategy.scope():
-            model = SmallMLP(rngs=nnx.Rngs(0))
-            trainer = mirrored.Trainer(
-                model,
-                optax.adam(0.01),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=3,
-            )
+        trainer = k3_trainer()
         fits = [
             trainer.fit(x, y, batch_size=32, sample_weight=weights, verbose=0).history
             for _ in range(2)
         ]
         evaluations = [trainer.evaluate(x, y, batch_size=32) for _ in range(2)]
         predicted = [trainer.predict(head, batch_size=16) for _ in range(2)]
-        return len(trainer._device_data.placed()), fits, evaluations, predicted, flat(model)
+        return len(trainer._device_data.placed()), fits, evaluations, predicted, flat(trainer.model)
 
     kept = fits_and_evaluates(str(2**30) if strategy.is_chief else "0")
     host = fits_and_evaluates("0")
