@@ -50,6 +50,24 @@ class Evaluation:
     _read: Callable[..., dict[str, float]]
     _reset_metrics: Callable[[], None]
 
+    def _resident(
+        self, x: Any, y: Any, sample_weight: Any, *, epochs: int
+    ) -> tuple[Any, ...] | None:
+        """The training arrays on the devices, or None to read batches from the host
+        (`mirrored._train.resident`)."""
+        return self._device_data.arrays(
+            self.strategy, self.steps_per_execution, x, y, sample_weight, uses=epochs
+        )
+
+    def forget_data(self) -> None:
+        """Release the arrays `fit`, `evaluate` and `predict` keep on the devices between calls.
+
+        With `steps_per_execution` > 1, in-memory arrays placed on the devices stay there for
+        the next call on the same arrays (recognised by the objects, shapes, dtypes and a
+        sample of rows). After changing such an array in place, call this (or pass a new
+        array) so the next call places the new values."""
+        self._device_data.forget()
+
     def _eval_dataset(
         self,
         data: Any,

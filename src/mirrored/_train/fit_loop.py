@@ -20,7 +20,6 @@ from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
-from mirrored._train import resident as _resident
 from mirrored._train.batches import (
     Chunk,
     _batch_args,
@@ -103,7 +102,7 @@ class FitLoop:
     # The prediction shape of each input structure whose first batch was looked at.
     _predictions_seen: dict[Any, tuple[int, ...]]
     # The training arrays last given to fit (`_identity`) and their copy on the devices.
-    _device_data: _resident.DeviceData
+    _resident: Callable[..., tuple[Any, ...] | None]
     # A checked step's non-finite values, found right after it (a callback that
     # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
     _non_finite: _numerics.NonFiniteError | None
@@ -354,24 +353,6 @@ class FitLoop:
             if first <= error.step < first + size and error.epoch is None:
                 return error.in_fit(epoch, batch + error.step - first)
         return error
-
-    def _resident(
-        self, x: Any, y: Any, sample_weight: Any, *, epochs: int
-    ) -> tuple[Any, ...] | None:
-        """The training arrays on the devices, or None to read batches from the host
-        (`mirrored._train.resident`)."""
-        return self._device_data.arrays(
-            self.strategy, self.steps_per_execution, x, y, sample_weight, uses=epochs
-        )
-
-    def forget_data(self) -> None:
-        """Release the arrays `fit`, `evaluate` and `predict` keep on the devices between calls.
-
-        With `steps_per_execution` > 1, in-memory arrays placed on the devices stay there for
-        the next call on the same arrays (recognised by the objects, shapes, dtypes and a
-        sample of rows). After changing such an array in place, call this (or pass a new
-        array) so the next call places the new values."""
-        self._device_data.forget()
 
     def _train_on(self, chunk: Chunk, data: tuple[Any, ...] | None) -> None:
         """Train on the batches of `chunk`: one `run` per batch, or all in one program;
