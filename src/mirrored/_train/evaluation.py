@@ -27,6 +27,7 @@ from mirrored._train.batches import (
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.resident import DeviceData
+from mirrored._train.resident import indices as _indices
 from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
@@ -51,12 +52,30 @@ class Evaluation:
     _reset_metrics: Callable[[], None]
 
     def _resident(
-        self, x: Any, y: Any, sample_weight: Any, *, epochs: int
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        epochs: int = 1,
+        checked: bool = False,
+        in_use: tuple[Any, ...] | None = None,
     ) -> tuple[Any, ...] | None:
-        """The training arrays on the devices, or None to read batches from the host
-        (`mirrored._train.resident`)."""
+        """The arrays of a `fit`, `evaluate` or `predict` on the devices, or None to read
+        batches from the host (`resident.DeviceData.arrays`; `epochs`: the passes the call
+        makes over them). A checked run (`check_numerics`, or a callback that
+        `checks_numerics`: `checked`) reads from the host, so a non-finite value is named
+        by the batch leaf that held it."""
+        if checked or _numerics.check_numerics_enabled():
+            return None
         return self._device_data.arrays(
-            self.strategy, self.steps_per_execution, x, y, sample_weight, uses=epochs
+            self.strategy,
+            self.steps_per_execution,
+            x,
+            y,
+            sample_weight,
+            uses=epochs,
+            in_use=in_use,
         )
 
     def forget_data(self) -> None:
@@ -73,15 +92,14 @@ class Evaluation:
         data: Any,
         batch_size: int | None,
         *,
-        uses: int = 1,
+        epochs: int = 1,
         checked: bool = False,
         in_use: tuple[Any, ...] | None = None,
     ) -> tuple[DistributedDataset, tuple[Any, ...] | None]:
         """The batches of `data` ((x, y), (x, y, sample_weight) or a dataset), and the arrays
-        they index on the devices when kept there (`resident.DeviceData`; None: the batches
-        hold the examples). `uses`: how many passes the caller will make over them; a
-        `checked` run (numerics checks) reads from the host; `in_use`: arrays kept on the
-        devices that the caller still reads (they stay)."""
+        they index on the devices when kept there (`_resident`; None: the batches hold the
+        examples). `in_use`: arrays kept on the devices that the caller still reads (they
+        stay)."""
         weights = None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
@@ -89,13 +107,10 @@ class Evaluation:
         else:
             x, y = data, None
         placed = None
-        if y is not None and not (checked or _numerics.check_numerics_enabled()):
-            k = self.steps_per_execution
-            placed = self._device_data.arrays(
-                self.strategy, k, x, y, weights, uses=uses, in_use=in_use
-            )
+        if y is not None:
+            placed = self._resident(x, y, weights, epochs=epochs, checked=checked, in_use=in_use)
         if placed is not None:  # index batches into the arrays on the devices
-            x, y, weights = np.arange(len(jax.tree.leaves(x)[0])), None, None
+            x, y, weights = _indices(x), None, None
         dataset = self._dataset(
             x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
         )
@@ -212,13 +227,11 @@ class Evaluation:
         verbose = _arguments.check_verbose(verbose)
         if _is_arrays(x):
             _arguments.check_model_input(self.model, x, None, "predict", self._inputs_checked)
-        placed = None
-        if not (_numerics.check_numerics_enabled() or any(c.checks_numerics for c in callbacks)):
-            placed = self._device_data.arrays(self.strategy, self.steps_per_execution, x, uses=1)
+        placed = self._resident(x, checked=any(c.checks_numerics for c in callbacks))
         predict_step = self._predict_step if placed is None else _gathering(self._predict_step)
         held: tuple[Any, ...] = () if placed is None else (placed,)
         if placed is not None:  # index batches into the arrays on the devices
-            x = np.arange(len(jax.tree.leaves(x)[0]))
+            x = _indices(x)
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
         callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})

@@ -34,6 +34,7 @@ from mirrored._train.batches import (
 )
 from mirrored._train.callbacks.base import Callback, History
 from mirrored._train.callbacks.callback_list import CallbackList
+from mirrored._train.resident import indices as _indices
 from mirrored._train.steps import _gathering, _plus_steps
 
 logger = logging.getLogger("mirrored")
@@ -201,11 +202,9 @@ class FitLoop:
         # Checked steps (check_numerics, TerminateOnNaN) read batches from the host, so a
         # non-finite value is named by the batch leaf that held it.
         checked = _numerics.check_numerics_enabled() or any(c.checks_numerics for c in callbacks)
-        data = (
-            None if checked else self._resident(x, y, sample_weight, epochs=epochs - initial_epoch)
-        )
+        data = self._resident(x, y, sample_weight, epochs=epochs - initial_epoch, checked=checked)
         train = self._dataset(
-            np.arange(len(jax.tree.leaves(x)[0])) if data is not None else x,
+            _indices(x) if data is not None else x,
             None if data is not None else y,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -312,7 +311,7 @@ class FitLoop:
                 dataset, placed = self._eval_dataset(
                     validation_data,
                     batch_size,
-                    uses=epochs - initial_epoch,
+                    epochs=epochs - initial_epoch,
                     checked=checked,
                     in_use=data,  # the training arrays stay while validating
                 )

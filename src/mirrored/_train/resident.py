@@ -126,6 +126,12 @@ class DeviceData:
             self._entries.popitem(last=False)
 
 
+def indices(x: Any) -> np.ndarray:
+    """The row numbers of `x`: batched like `x`, they are the index batches into its copy
+    on the devices (the same rows, padding and masks)."""
+    return np.arange(len(jax.tree.leaves(x)[0]))
+
+
 def _replicated(strategy: Any, array: np.ndarray) -> jax.Array:
     """`array` on every device of `strategy`, each process placing its own copy on its own
     devices (no check that the processes' copies agree: each device reads the rows its
