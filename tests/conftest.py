@@ -13,7 +13,7 @@ import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras tests (mirrored.keras): before any import
 # XLA:CPU without LLVM's optimisation passes: the suite's programs are small and run a few
-# steps, so compiling is most of their time (measured: compile-heavy files 25-35% faster).
+# steps, so compiling is most of their time (measured: compile-heavy files 19-34% faster).
 # Before the backend starts; the subprocesses get the same flag (`_helpers.subprocess_env`),
 # so references computed there are compiled alike.
 from _helpers import TEST_XLA_FLAGS
