@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fit_throughput.py
 	$(BIN)/python benchmarks/mixed_precision.py
 	$(BIN)/python benchmarks/real_models.py
+	$(BIN)/python benchmarks/loop_ops.py
 	$(BIN)/python benchmarks/flax_tutorial.py
 	$(BIN)/python benchmarks/keras_models.py
 	$(BIN)/python benchmarks/time_to_first_step.py

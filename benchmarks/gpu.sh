@@ -58,6 +58,7 @@ step doctor 60 "$bin/mirrored" doctor --json "${bench_devices[@]}"
 step bench 120 "$bin/mirrored" bench --json --steps 20 "${bench_devices[@]}"
 step step_overhead 60 "$python" benchmarks/step_overhead.py --devices 1 --steps 200 --repeats 3
 step fit_throughput 90 "$python" benchmarks/fit_throughput.py --devices 1 --repeats 3
+step loop_ops 60 "$python" benchmarks/loop_ops.py --devices 1 --repeats 3
 step mixed_precision 60 "$python" benchmarks/mixed_precision.py --devices 1
 # ZeRO on the GPU(s): at N = 1 ShardedOptimizer must equal nnx.Optimizer bitwise at >= 0.98x
 # its step time; peak_bytes_in_use recorded.
@@ -67,7 +68,8 @@ step zero 90 "$python" benchmarks/zero.py "${zero_devices[@]}"
 import json, pathlib, platform, sys
 work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 report = {"machine": platform.node()}
-names = ("checks", "doctor", "bench", "step_overhead", "fit_throughput", "mixed_precision", "zero")
+names = ("checks", "doctor", "bench", "step_overhead", "fit_throughput", "loop_ops",
+         "mixed_precision", "zero")
 for name in names:
     text = (work / f"{name}.json").read_text()
     try:

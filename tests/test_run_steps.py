@@ -156,6 +156,67 @@ def test_a_convolution_steps_run_one_program_each_on_cpu_with_run_steps_numbers(
     assert "train_step" in said[0] and "3 steps run as 3 calls" in said[0]
 
 
+def test_only_convolutions_xla_cpu_runs_slowly_in_a_loop_are_named():
+    """The rule measured by benchmarks/loop_ops.py: channels-last forward convolutions (plain,
+    strided, depthwise) run as fast inside a loop; their gradients and channels-first ones do
+    not."""
+    from mirrored._run.loop_shape import slow_convolutions
+
+    x, w = np.ones((2, 6, 6, 4), np.float32), np.ones((3, 3, 1, 4), np.float32)
+
+    def conv(x, w, strides=(1, 1), groups=4, dims=("NHWC", "HWIO", "NHWC")):
+        return jax.lax.conv_general_dilated(
+            x, w, strides, "SAME", dimension_numbers=dims, feature_group_count=groups
+        )
+
+    def text(f, *args):
+        return jax.jit(f).lower(*args).as_text()
+
+    full = np.ones((3, 3, 4, 4), np.float32)
+    assert slow_convolutions(text(conv, x, w)) == []
+    assert slow_convolutions(text(lambda x, w: conv(x, w, (2, 2), 1), x, full)) == []
+    assert slow_convolutions(text(lambda x: x.sum(), x)) == []
+    gradient = slow_convolutions(text(jax.grad(lambda w: conv(x, w, groups=1).sum()), full))
+    assert gradient == ["[f, 0, 1, b]x[i, 0, 1, o]->[0, 1, b, f]"]
+    assert slow_convolutions(text(jax.grad(lambda x: conv(x, full, groups=1).sum()), x))
+    channels_first = ("NCHW", "OIHW", "NCHW")
+    nchw, oihw = x.transpose(0, 3, 1, 2), full.transpose(3, 2, 0, 1)
+    assert slow_convolutions(
+        text(lambda x, w: conv(x, w, groups=1, dims=channels_first), nchw, oihw)
+    )
+
+
+def _cnn_eval_step(model, x, y):
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_a_forward_convolution_runs_its_steps_in_one_program_on_cpu(replicas, caplog):
+    """An evaluation step of a channels-last CNN (no gradient) keeps the K-step program: the
+    same per-example losses as one strategy.run per step, ragged batch included, and no note
+    in the log."""
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.normal(size=(n, 8, 8, 1)).astype(np.float32), rng.integers(0, 10, n))
+        for n in (16, 16, 11)
+    ]
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    dataset = strategy.experimental_distribute_dataset(batches)
+    with strategy.scope():
+        model = _TinyCNN(nnx.Rngs(0))
+    expected = np.concatenate(
+        [strategy.gather(strategy.run(_cnn_eval_step, args=(model, *b)), 0) for b in dataset]
+    )
+    with caplog.at_level("INFO", logger="mirrored"):
+        out = strategy.run_steps(_cnn_eval_step, iter(dataset), steps=3, args=(model,))
+    assert not [r for r in caplog.records if "calls of one step" in r.getMessage()]
+    ours = np.asarray(strategy.gather(out, axis=1))
+    assert ours.shape == (3, 16)
+    real = np.concatenate([ours[0], ours[1], ours[2][:11]])
+    np.testing.assert_allclose(real, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_run_steps_errors_say_what_to_do(devices):
     strategy = mirrored.MirroredStrategy(devices)
     model, optimizer = _state(strategy, lambda: optax.sgd(0.1))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from mirrored._core import hooks
 from mirrored._core.leaves import is_leaf
 from mirrored._core.mesh import REPLICA_AXIS, REPLICATED, SPLIT
 from mirrored._nnx import batch_norm, metrics, optimizer, rnn
-from mirrored._run import callbacks, deferred, numerics, state_rules
+from mirrored._run import callbacks, deferred, loop_shape, numerics, state_rules
 from mirrored._run.arguments import (
     _CONSTANT,
     _MIRRORED,
@@ -361,7 +360,7 @@ def compile_step(
             return step
         if dispatched[0]:
             one = jax.jit(step, donate_argnums=0 if target.donate else ())
-            return _dispatched_steps(target, one, masked, expand, checking)
+            return loop_shape.dispatched_steps(target, one, masked, expand, checking)
 
         def looped(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
             counts = rep[-1] if masked else None  # each step's real-example count
@@ -425,25 +424,25 @@ def compile_step(
         return jax.jit(program(varying, out_specs), donate_argnums=0 if target.donate else ())
 
     call = jitted()
-    # XLA:CPU runs a convolution inside a loop dozens of times slower than outside one
-    # (measured: a small CNN step 8 ms alone, 419 ms in a scan); fully unrolled, K steps of
-    # it run at 0.74x of K separate programs at one device (1.01x at eight) and take K times
-    # as long to compile. Such a program's K steps run as K dispatches of one step's program.
-    if (
-        steps is not None
-        and not per_step
-        and target.mesh.devices.flat[0].platform == "cpu"
-        and "convolution" in call.lower(state, split, rep).as_text()
-    ):
+    # XLA:CPU runs most convolutions many times slower inside a loop (`loop_shape`): such a
+    # program's K steps run as K dispatches of one step's program.
+    slow = (
+        loop_shape.slow_convolutions(call.lower(state, split, rep).as_text())
+        if steps is not None and not per_step and target.mesh.devices.flat[0].platform == "cpu"
+        else []
+    )
+    if slow:
         dispatched[0] = True
         call = program(varying, out_specs)
         logger.info(
-            "run_steps(%s, steps=%d): convolutions run slower inside one XLA:CPU program "
-            "than in separate ones; its %d steps run as %d calls of one step's program.",
+            "run_steps(%s, steps=%d): its %d steps run as %d calls of one step's program: "
+            "XLA:CPU runs a convolution with dimensions %s (a gradient's, or channels first) "
+            "many times slower inside one program of several steps.",
             fn_name,
             steps,
             steps,
             steps,
+            slow[0],
         )
     if not target.logged:
         target.logged = True
@@ -549,44 +548,3 @@ def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
         ops,
         n,
     )
-
-
-def _dispatched_steps(
-    target: CompileTarget, one: Any, masked: bool, expand: Any, checking: bool
-) -> Callable[..., Any]:
-    """`run_steps`' K steps as K calls of `one` (a compiled step on one step's inputs), with
-    the inputs, outputs and state of the K-step program: split inputs and (masked) counts
-    stacked on a leading step axis in, outputs stacked by step (replica axis first) out."""
-
-    def call(state: list[Any], split: list[Any], rep: list[Any]) -> Any:
-        counts = rep[-1] if masked else None
-        fixed = rep[:-1] if masked else rep
-        each_step = _unstack(tuple(split), counts)
-        outs_by_step = []
-        token = jnp.zeros((), jnp.int32)
-        for split_k, count_k in each_step:
-            state, outs, token = one(state, list(split_k), [*fixed, count_k] if masked else fixed)
-            outs_by_step.append(outs)
-            target.bound_dispatch(token)
-        flags = (True,) * len(outs_by_step[0]) if expand is None else (*expand, *[True] * checking)
-        return state, _stack_outputs(outs_by_step, flags), token
-
-    return call
-
-
-@jax.jit
-def _unstack(split: tuple[Any, ...], counts: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """Each step's split inputs (and real-example count) of inputs stacked by step."""
-    steps = split[0].shape[0]
-    return [
-        (tuple(s[k] for s in split), None if counts is None else counts[k]) for k in range(steps)
-    ]
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _stack_outputs(outs_by_step: list[list[Any]], per_replica: tuple[bool, ...]) -> list[Any]:
-    """K steps' outputs stacked by step: after the replica axis for per-replica outputs."""
-    return [
-        jnp.stack(column, axis=1 if p else 0)
-        for column, p in zip(zip(*outs_by_step, strict=True), per_replica, strict=True)
-    ]
