@@ -45,6 +45,7 @@ def _cases() -> dict[str, tuple[Callable[[Any], Any], Any]]:
     kernel = normal(3, 3, 16, 16, scale=0.05)
     depthwise = normal(3, 3, 1, 16, scale=0.05)
     sequence, kernel_1d = normal(64, 100, 16), normal(5, 16, 16, scale=0.05)
+    volume, kernel_3d = normal(8, 12, 12, 12, 8), normal(3, 3, 3, 8, 8, scale=0.05)
     matrix = normal(512, 512)
     table, ids = normal(1000, 64), jnp.asarray(rng.integers(0, 1000, size=(64, 32)))
     nhwc = ("NHWC", "HWIO", "NHWC")
@@ -56,6 +57,15 @@ def _cases() -> dict[str, tuple[Callable[[Any], Any], Any]]:
 
     def strided(x: Any, w: Any) -> Any:
         return jax.lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=nhwc)
+
+    def dilated(x: Any, w: Any) -> Any:
+        return jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", rhs_dilation=(2, 2), dimension_numbers=nhwc
+        )
+
+    def conv3d(v: Any, w: Any) -> Any:
+        dims = ("NDHWC", "DHWIO", "NDHWC")
+        return jax.lax.conv_general_dilated(v, w, (1, 1, 1), "SAME", dimension_numbers=dims)
 
     def descend(loss: Callable[[Any], Any], rate: float) -> Callable[[Any], Any]:
         return lambda v: v - rate * jax.grad(loss)(v)
@@ -73,6 +83,23 @@ def _cases() -> dict[str, tuple[Callable[[Any], Any], Any]]:
             images,
         ),
         "depthwise_conv_forward": (lambda x: jnp.tanh(conv(x, depthwise, groups=16)), images),
+        "conv_forward_dilated": (lambda x: jnp.tanh(dilated(x, kernel)), images),
+        "conv_transpose_forward": (
+            lambda x: jnp.tanh(
+                jax.lax.conv_transpose(x, kernel, (2, 2), "SAME", dimension_numbers=nhwc)
+            )[:, ::2, ::2, :],
+            images,
+        ),
+        "conv1d_forward": (
+            lambda s: jnp.tanh(
+                jax.lax.conv_general_dilated(
+                    s, kernel_1d, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+                )
+            ),
+            sequence,
+        ),
+        "conv3d_forward": (lambda v: jnp.tanh(conv3d(v, kernel_3d)), volume),
+        "conv3d_grad": (descend(lambda w: jnp.mean(conv3d(volume, w) ** 2), 0.01), kernel_3d),
         "conv_forward_channels_first": (
             lambda x: jnp.tanh(jax.lax.conv(x, kernel.transpose(3, 2, 0, 1), (1, 1), "SAME")),
             images.transpose(0, 3, 1, 2),
