@@ -3,13 +3,13 @@
 One program (`lax.scan` over the steps) saves K - 1 dispatches and is what runs everywhere but
 where the backend's code for an operation is much slower inside a loop body. Measured on
 XLA:CPU (`benchmarks/loop_ops.py`; jax-ml/jax#12868): a convolution in XLA:CPU's own layout
-(batch first and features last, kernel `..., in, out`: Keras' and Flax's channels-last
-forward pass, strided and depthwise included) runs as fast inside a loop, but every other
-(each convolution's gradients, a channels-first convolution) 5 to 25 times slower, while
-matmuls, pooling and its gradient, softmax, gathers, scatters, sorts and cumulative sums run
-as fast or faster inside one. So on CPU a program with a convolution of another layout runs
-its K steps as K calls of one step's program, with the inputs, outputs and numbers of the
-K-step program; every other runs as one.
+(batch first and features last, kernel `..., in, out`: the channels-last forward pass of
+Keras' and Flax's layers, strided, dilated, depthwise, transposed, 1-D and 3-D) runs as fast
+inside a loop, but every other (each convolution's gradients, a channels-first convolution)
+1.5 to 25 times slower, while matmuls, pooling and its gradient, softmax, gathers, scatters,
+sorts and cumulative sums run as fast or faster inside one. So on CPU a program with a
+convolution of another layout runs its K steps as K calls of one step's program, with the
+inputs, outputs and numbers of the K-step program; every other runs as one.
 """
 
 from __future__ import annotations
