@@ -3,7 +3,9 @@
 (a) the in-memory fast path (shuffled NumPy index gather on a background thread), (b) a Grain
 per-record pipeline over the same arrays, (c) tf.data when installed — each delivering 784-float
 rows at global batch 256 to the simulated devices; then the seed MLP's training throughput fed
-by the fast path vs by pre-staged device arrays (ratio). Prints JSON.
+by the fast path vs by pre-staged device arrays (ratio); then a custom loop of
+`strategy.run_steps(steps=32)` over `iter(dataset)` (K batches gathered at once) vs over the
+same batches one at a time (ratio). Prints JSON.
 
     python benchmarks/input_pipeline.py [--devices 8] [--rows 60000]
 """
@@ -173,6 +175,45 @@ def main() -> None:
         training.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     results["seed_mlp_training"] = training
+
+    # A custom loop of strategy.run_steps(steps=32) over iter(dataset) of in-memory arrays:
+    # K batches gathered at once (since 2026-12-07) vs one at a time through the prefetch
+    # queue (`epoch_iterator`, the path before), alternating, one epoch per round.
+    run_steps_rows = []
+    for n in sorted({1, args.devices}):
+        sub = mirrored.MirroredStrategy(jax.devices()[:n])
+        with sub.scope():
+            model = MLP((128,), rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        feed = sub.experimental_distribute_dataset((x, y), batch_size=args.batch, shuffle=True)
+
+        def epoch(iterator, sub=sub, model=model, optimizer=optimizer) -> float:
+            start, last = time.perf_counter(), None
+            while (
+                out := sub.run_steps(train_step, iterator, steps=32, args=(model, optimizer))
+            ) is not None:
+                last = out
+            jax.block_until_ready(last)
+            return time.perf_counter() - start
+
+        times: dict[str, list[float]] = {"at_once": [], "one_at_a_time": []}
+        for round_ in range(args.repeats + 1):
+            at_once = epoch(iter(feed))
+            one = epoch(feed.epoch_iterator(round_ + 1))
+            if round_:  # the first compiles
+                times["at_once"].append(at_once)
+                times["one_at_a_time"].append(one)
+        at_once_s = statistics.median(times["at_once"])
+        one_s = statistics.median(times["one_at_a_time"])
+        row = {
+            "devices": n,
+            "at_once_examples_per_s": round(args.rows / at_once_s),
+            "one_at_a_time_examples_per_s": round(args.rows / one_s),
+            "ratio": round(one_s / at_once_s, 3),
+        }
+        run_steps_rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    results["run_steps_over_arrays"] = run_steps_rows
     one_device = next(r for r in training if r["devices"] == 1)
     results["fast_path_vs_1_device_step_consumption"] = round(
         results["fast_path_examples_per_s"] / one_device["prestaged_examples_per_s"], 2

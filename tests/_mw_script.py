@@ -210,6 +210,27 @@ def main():
     same = same and all(np.array_equal(kept[4][k], host[4][k]) for k in host[4])
     print(f"device data placed {kept[0]} / {host[0]} equal {same}", flush=True)
 
+    # 5c. run_steps over iter(dataset) of in-memory arrays: K batches gathered at once, each
+    # process its rows; the numbers of the same epoch read one batch at a time.
+    def run_steps_over(iterator):
+        with strategy.scope():
+            model = SmallMLP(rngs=nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        losses = []
+        while (
+            out := strategy.run_steps(train_step, iterator, steps=3, args=(model, optimizer))
+        ) is not None:
+            losses.extend(np.asarray(strategy.reduce("SUM", out, None)).tolist())
+        return losses, flat(model)
+
+    shuffled = strategy.experimental_distribute_dataset((x, y), batch_size=32, shuffle=True)
+    at_once = iter(shuffled)  # epoch 1
+    stacked_losses, stacked_model = run_steps_over(at_once)
+    single_losses, single_model = run_steps_over(shuffled.epoch_iterator(1))
+    same = stacked_losses == single_losses and len(single_losses) == 6
+    same = same and all(np.array_equal(stacked_model[k], single_model[k]) for k in single_model)
+    print(f"run_steps at once {at_once._steps} equal {same}", flush=True)
+
     if strategy.is_chief:
         # A strategy over the chief's own devices (its evaluation, say): its first step has
         # no other process to agree with (before: a broadcast over every process, run by the

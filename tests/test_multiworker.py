@@ -154,6 +154,9 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     # keeps only the copy in use), with the host path's numbers on each process.
     assert "[rank 0] device data placed 3 / 0 equal True" in stdout
     assert "[rank 1] device data placed 1 / 0 equal True" in stdout
+    # run_steps over in-memory arrays gathers K batches at once on each process.
+    assert "[rank 0] run_steps at once 3 equal True" in stdout
+    assert "[rank 1] run_steps at once 3 equal True" in stdout
     assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, per_rank_tails(one.stdout)

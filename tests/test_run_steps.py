@@ -65,6 +65,59 @@ def test_k_steps_in_one_program_equal_k_runs_ragged_last_batch_included(replicas
     assert_bit_identical_on_devices(ours)
 
 
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_run_steps_over_in_memory_arrays_gathers_k_batches_at_once_with_the_same_numbers(
+    replicas,
+):
+    """`iter(dataset)` of shuffled in-memory arrays hands run_steps K batches gathered at once
+    (fit's input path): the losses and model of one strategy.run per batch, bit for bit, the
+    ragged last batch included, also when the loop mixes next(), run_steps and another K."""
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+    x = np.concatenate([b[0] for b in BATCHES])  # 397 rows: 6 batches of 64 and 13 left
+    y = np.concatenate([b[1] for b in BATCHES])
+    dataset = strategy.experimental_distribute_dataset((x, y), batch_size=64, shuffle=True, seed=3)
+
+    def sgd():
+        return optax.sgd(0.1)
+
+    model, optimizer = _state(strategy, sgd)
+    reference = list(dataset)  # epoch 1: the batches every loop below must see
+    expected = [
+        float(strategy.reduce("SUM", strategy.run(mlp_step, args=(model, optimizer, *b)), None))
+        for b in reference
+    ]
+
+    def loop(plan):
+        """Epoch 1 again, read as `plan` says: an int K is run_steps(K), 0 is next()."""
+        dataset._epoch = 0
+        ours, our_optimizer = _state(strategy, sgd)
+        iterator, losses, kinds = iter(dataset), [], []
+        for k in plan:
+            if k == 0:
+                batch = next(iterator)
+                out = strategy.run(mlp_step, args=(ours, our_optimizer, *batch))
+                losses.append(float(strategy.reduce("SUM", out, None)))
+                continue
+            out = strategy.run_steps(mlp_step, iterator, steps=k, args=(ours, our_optimizer))
+            if out is None:
+                losses.append(None)
+                continue
+            kinds.append(iterator._steps)
+            losses.extend(np.asarray(strategy.reduce("SUM", out, None)).tolist())
+        with pytest.raises(StopIteration):
+            next(iterator)
+        return losses, ours, kinds
+
+    for plan in ([3, 3, 3, 3], [0, 2, 0, 2, 5, 4]):
+        losses, ours, kinds = loop(plan)
+        assert losses[: len(expected)] == expected
+        assert losses[len(expected) :] == [None]  # the epoch's end, said once
+        assert kinds == [k for k in plan if k][: len(kinds)]  # K batches at once each time
+        mine, theirs = params_of(ours), params_of(model)
+        for name in theirs:
+            np.testing.assert_array_equal(mine[name], theirs[name])
+
+
 def test_the_flax_tutorial_step_dropout_batchnorm_and_metrics_inside_equal_k_runs():
     """`@nnx.jit` step, Dropout drawing per replica and per step, BatchNorm's moving
     statistics and `nnx.MultiMetric` updated inside: K steps in one program = K runs."""

@@ -23,6 +23,7 @@ from mirrored._core.devices import owning_processes
 from mirrored._core.values import PerReplica
 from mirrored._data import batching as _batching
 from mirrored._data import chunks as _chunks
+from mirrored._data import epoch as _epoch
 from mirrored._data.prefetch import Prefetcher
 
 if TYPE_CHECKING:
@@ -301,7 +302,7 @@ class DistributedDataset:
 
     def __iter__(self) -> Iterator[Any]:
         self._epoch += 1
-        return _CheckedAtTheEnd(self.epoch_iterator(self._epoch), self._strategy)
+        return _epoch.Epoch(self, self._epoch, self._strategy)
 
     def epoch_iterator(self, epoch: int, *, skip: int = 0) -> Iterator[Any]:
         """The batches of epoch `epoch` (1-based; it seeds the shuffle), from batch `skip` on.
@@ -363,27 +364,6 @@ class _InputPhase(Iterator[Any]):
         finally:
             beat.beats += 1
             beat.phase = previous
-
-    def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
-        return getattr(self._batches, name)
-
-
-class _CheckedAtTheEnd(Iterator[Any]):
-    """The batches, then check_numerics' pending steps looked at: a non-finite value in one of
-    a loop's last steps raises as the loop ends, not at a later read or at exit."""
-
-    __slots__ = ("_batches", "_strategy")
-
-    def __init__(self, batches: Iterator[Any], strategy: Strategy) -> None:
-        self._batches = batches
-        self._strategy = strategy
-
-    def __next__(self) -> Any:
-        try:
-            return next(self._batches)
-        except StopIteration:
-            self._strategy._check_pending()
-            raise
 
     def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
         return getattr(self._batches, name)

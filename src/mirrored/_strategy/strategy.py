@@ -19,6 +19,7 @@ from mirrored._core import mesh as _mesh
 from mirrored._core import settings as config
 from mirrored._core.devices import DeviceLike, device_name, resolve_device, resolve_devices
 from mirrored._core.values import PerReplica, ReduceOp, StackedBatches, ValueContext
+from mirrored._data import epoch as _epoch
 from mirrored._data import from_function as _from_function
 from mirrored._data import input as _input
 from mirrored._run import hang
@@ -270,13 +271,19 @@ class Strategy:
                 "are bound per call of strategy.run). Fix: call strategy.run per step, or "
                 "use model.fit, whose steps_per_execution Keras handles."
             )
-        batches: Any = list(itertools.islice(iterator, 1))
-        if not batches:
-            return None
-        if isinstance(batches[0], StackedBatches):  # a dataset's `epoch_chunks`: K steps
-            batches = batches[0]
-        else:
-            batches += itertools.islice(iterator, steps - 1)
+        batches: Any = _epoch.ONE_AT_A_TIME
+        if isinstance(iterator, _epoch.Epoch):  # in-memory arrays: K batches gathered at once
+            batches = iterator.stacked(steps)
+            if batches is None:
+                return None  # the epoch has ended
+        if batches is _epoch.ONE_AT_A_TIME:
+            batches = list(itertools.islice(iterator, 1))
+            if not batches:
+                return None
+            if isinstance(batches[0], StackedBatches):  # a dataset's `epoch_chunks`: K steps
+                batches = batches[0]
+            else:
+                batches += itertools.islice(iterator, steps - 1)
         out = self._runner.call_steps(fn, args, kwargs or {}, batches)
         return () if out is None else out  # steps ran: never None, which means "exhausted"
 
