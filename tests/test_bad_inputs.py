@@ -709,6 +709,35 @@ def test_a_keras_optimizer_name_and_class_weight_mean_what_they_mean_in_keras(en
     )
 
 
+def test_class_weight_weighs_the_training_batches_only_with_validation_split(env):
+    """Keras applies class_weight to the training data alone: with validation_split, the
+    held-out rows are validated unweighted (val_loss = evaluate on them), and training is
+    validation_data's on the same rows (before: the held-out rows carried the class weights,
+    val_loss 1.99 for 1.31)."""
+    weights = {0: 2.0, 3: 0.25}
+
+    def trainer():
+        with env["strategy"].scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(1)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                metrics=["accuracy"],
+                weighted_metrics=["accuracy"],
+            )
+
+    split, given = trainer(), trainer()
+    kwargs = {"batch_size": 16, "verbose": 0, "shuffle": False, "class_weight": weights}
+    by_split = split.fit(X, Y, validation_split=0.25, **kwargs).history
+    cut = int(len(X) * 0.75)
+    by_data = given.fit(X[:cut], Y[:cut], validation_data=(X[cut:], Y[cut:]), **kwargs).history
+    assert by_split == by_data
+    held_out = split.evaluate(X[cut:], Y[cut:], batch_size=16)
+    assert by_split["val_loss"][-1] == pytest.approx(held_out["loss"], rel=1e-6)
+    assert by_split["val_weighted_accuracy"] == by_split["val_accuracy"]
+
+
 @pytest.mark.parametrize("per_execution", [1, 3])
 def test_check_numerics_in_fit_names_the_epoch_and_batch_and_keeps_the_batches_before(
     env, per_execution

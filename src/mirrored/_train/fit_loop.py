@@ -162,8 +162,6 @@ class FitLoop:
             validation_data=validation_data,
         )
         _check_batch_size(batch_size)
-        if class_weight is not None:
-            sample_weight = _arguments.class_sample_weights(y, class_weight, sample_weight)
         for callback in callbacks:
             callback.check()
         if _is_arrays(x):
@@ -197,6 +195,8 @@ class FitLoop:
             validation_data = jax.tree.map(lambda a: a[cut:], arrays)
             x, y, *weights = jax.tree.map(lambda a: a[:cut], arrays)
             sample_weight = weights[0] if weights else None
+        if class_weight is not None:  # training batches only (Keras): after the split
+            sample_weight = _arguments.class_sample_weights(y, class_weight, sample_weight)
         # In-memory arrays that fit on the devices are placed there once; each step gathers
         # its rows on the devices (`data`), from the same index batches as the host path.
         # Checked steps (check_numerics, TerminateOnNaN) read batches from the host, so a
