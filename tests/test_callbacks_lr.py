@@ -226,6 +226,70 @@ def test_reduce_on_plateau_in_max_mode_and_in_fit(devices):
         ReduceLROnPlateau(mode="lowest")
 
 
+def test_auto_mode_follows_each_metrics_direction_as_keras_3(devices, tmp_path, caplog):
+    """mode="auto" maximises AUC, precision and recall (Keras 3's metric directions; before:
+    "acc" in the name or minimise, so EarlyStopping on val_auc stopped at its first rise and
+    restored the worse weights), minimises the loss and errors; a metric function of your
+    own without a direction follows the name ("acc": higher) with a warning, or its
+    `direction` attribute."""
+
+    def dice(y_true, y_pred):  # no direction: "acc" not in its name, so lower is better
+        return jnp.mean((y_true - y_pred) ** 2, axis=-1)
+
+    def overlap(y_true, y_pred):
+        return -jnp.mean((y_true - y_pred) ** 2, axis=-1)
+
+    overlap.direction = "up"
+    _, _, trainer = make(
+        devices[:2],
+        injected_sgd(0.1),
+        metrics=["auc", "precision", "recall", "accuracy", "mae", dice, overlap],
+        weighted_metrics=["auc"],
+    )
+    expected = {
+        "val_auc": np.greater,
+        "val_precision": np.greater,
+        "recall": np.greater,
+        "val_accuracy": np.greater,
+        "val_weighted_auc": np.greater,
+        "val_loss": np.less,
+        "val_mae": np.less,
+        "val_overlap": np.greater,
+    }
+    for monitor, better in expected.items():
+        for callback in (
+            mirrored.callbacks.EarlyStopping(monitor),
+            mirrored.callbacks.ModelCheckpoint(str(tmp_path / "c"), monitor=monitor),
+        ):
+            callback.set_trainer(trainer, {})
+            callback.on_train_begin({})
+            assert callback._better is better, (monitor, callback)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mirrored"):
+        stopping = mirrored.callbacks.EarlyStopping("val_dice", mode="auto")
+        stopping.set_trainer(trainer, {})
+        stopping.on_train_begin({})
+    assert stopping._better is np.less
+    assert "cannot tell whether 'val_dice' should rise or fall" in caplog.text
+    assert "mode='max'" in caplog.text
+    # ReduceLROnPlateau on a rising val_auc keeps the rate; on val_loss it would halve it.
+    _, after = drive(
+        trainer, ReduceLROnPlateau("val_auc", factor=0.5, patience=1), [0.7, 0.8, 0.9], "val_auc"
+    )
+    assert after == pytest.approx([0.1, 0.1, 0.1])
+    # EarlyStopping on a rising val_precision runs on; explicit modes still win.
+    stopping = mirrored.callbacks.EarlyStopping("val_precision", patience=1)
+    stopping.set_trainer(trainer, {})
+    stopping.on_train_begin({})
+    for epoch, value in enumerate([0.5, 0.6, 0.7, 0.8]):
+        stopping.on_epoch_end(epoch, {"val_precision": value})
+    assert not trainer.stop_training
+    forced = mirrored.callbacks.EarlyStopping("val_auc", mode="min")
+    forced.set_trainer(trainer, {})
+    forced.on_train_begin({})
+    assert forced._better is np.less
+
+
 # -- what callbacks see -------------------------------------------------------------------------
 
 

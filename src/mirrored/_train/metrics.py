@@ -62,6 +62,10 @@ def check_rows(metric: str, **arrays: Any) -> None:
 class Metric(nnx.Module):
     """Base of the metrics: Keras' `update_state`, `result`, `reset_state` and `name`."""
 
+    # Whether a better model makes it rise ("up") or fall ("down"), as Keras' `_direction`:
+    # callbacks' mode="auto" follows it. None: not known (say so in a metric of your own).
+    direction: str | None = None
+
     def __init__(self, name: str | None = None, dtype: Any = jnp.float32) -> None:
         self.name = name or _snake(type(self).__name__)
         self.dtype = jnp.dtype(dtype)
@@ -261,12 +265,16 @@ def mean_absolute_error(y_true: Any, y_pred: Any) -> jax.Array:
 class Accuracy(MeanMetricWrapper):
     """How often predictions equal labels: Keras' `metrics.Accuracy`."""
 
+    direction = "up"
+
     def __init__(self, name: str = "accuracy", dtype: Any = jnp.float32) -> None:
         super().__init__(accuracy, name, dtype)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
     """How often `y_pred > threshold` equals binary labels: Keras' `metrics.BinaryAccuracy`."""
+
+    direction = "up"
 
     def __init__(
         self, name: str = "binary_accuracy", dtype: Any = jnp.float32, threshold: float = 0.5
@@ -278,6 +286,8 @@ class BinaryAccuracy(MeanMetricWrapper):
 class CategoricalAccuracy(MeanMetricWrapper):
     """Argmax of one-hot labels against argmax of predictions."""
 
+    direction = "up"
+
     def __init__(self, name: str = "categorical_accuracy", dtype: Any = jnp.float32) -> None:
         super().__init__(categorical_accuracy, name, dtype)
 
@@ -285,12 +295,16 @@ class CategoricalAccuracy(MeanMetricWrapper):
 class SparseCategoricalAccuracy(MeanMetricWrapper):
     """Integer labels against argmax of predictions."""
 
+    direction = "up"
+
     def __init__(self, name: str = "sparse_categorical_accuracy", dtype: Any = jnp.float32) -> None:
         super().__init__(sparse_categorical_accuracy, name, dtype)
 
 
 class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
     """How often the integer label is among the `k` highest predictions (Keras' k=5)."""
+
+    direction = "up"
 
     def __init__(
         self,
@@ -305,12 +319,16 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
 class MeanSquaredError(MeanMetricWrapper):
     """Mean over examples of the mean squared error over the last axis."""
 
+    direction = "down"
+
     def __init__(self, name: str = "mean_squared_error", dtype: Any = jnp.float32) -> None:
         super().__init__(mean_squared_error, name, dtype)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
     """Mean over examples of the mean absolute error over the last axis."""
+
+    direction = "down"
 
     def __init__(self, name: str = "mean_absolute_error", dtype: Any = jnp.float32) -> None:
         super().__init__(mean_absolute_error, name, dtype)
@@ -321,6 +339,8 @@ class MeanAbsoluteError(MeanMetricWrapper):
 
 class _Confusion(Metric):
     """True/false positives/negatives at each threshold, from predictions in [0, 1]."""
+
+    direction = "up"
 
     from_logits = False  # the Trainer's "precision"/"recall" under a from_logits=True loss
 

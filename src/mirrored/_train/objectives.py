@@ -189,9 +189,12 @@ def get_loss(spec: str | Loss | Callable[[Any, Any], Any], *, from_logits: bool 
 class Metric:
     """A metric averaged over examples: `values(y_true, y_pred)` → one value per example."""
 
-    def __init__(self, name: str, values: Callable[[Any, Any], jax.Array]) -> None:
+    def __init__(
+        self, name: str, values: Callable[[Any, Any], jax.Array], direction: str | None = None
+    ) -> None:
         self.name = name
         self.values = values
+        self.direction = direction  # "up", "down" or None (unknown): as `metrics.Metric`'s
 
     def __repr__(self) -> str:
         return f"Metric({self.name!r})"
@@ -256,7 +259,7 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
     if isinstance(spec, Metric):
         return spec
     if isinstance(spec, _metrics.MeanMetricWrapper):  # a mean over examples: exact running sums
-        return Metric(spec.name, functools.partial(spec._fn, **spec._fn_kwargs))
+        return Metric(spec.name, functools.partial(spec._fn, **spec._fn_kwargs), spec.direction)
     if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
         return spec
     from_logits = getattr(loss, "from_logits", False)
@@ -268,7 +271,7 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
         return metric
     if isinstance(spec, str):
         if spec in ("accuracy", "acc"):
-            return Metric(spec, _shape_resolved_accuracy(0.0 if from_logits else 0.5))
+            return Metric(spec, _shape_resolved_accuracy(0.0 if from_logits else 0.5), "up")
         named: dict[str, Callable[[Any, Any], jax.Array]] = {
             "sparse_categorical_accuracy": _sparse_accuracy,
             "categorical_accuracy": _categorical_accuracy,
@@ -284,9 +287,9 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
                 f"Expected a metric name from {sorted(['accuracy', *named])}; found {spec!r}. "
                 "Fix: use one of those, or a callable (y_true, y_pred) -> per-example values."
             )
-        return Metric(spec, named[spec])
+        return Metric(spec, named[spec], "up" if "accuracy" in spec else "down")
     if callable(spec):
-        return Metric(getattr(spec, "__name__", "metric"), spec)
+        return Metric(getattr(spec, "__name__", "metric"), spec, getattr(spec, "direction", None))
     raise TypeError(f"Expected a metric name, a Metric or a callable; found {spec!r}.")
 
 

@@ -182,6 +182,15 @@ class Trainer(FitLoop, Evaluation):
                 "give metrics distinct name= arguments."
             )
         self._names = names
+        # Each logged name's direction ("up", "down", None: unknown), for callbacks' "auto".
+        given = [*self.metrics, *self.weighted_metrics, *self._stateful]
+        self._directions = (
+            {"loss": "down"}
+            | {
+                name: getattr(m, "direction", None) or getattr(m, "_direction", None)  # Keras'
+                for name, m in zip([*names[1:], *self._stateful_names], given, strict=True)
+            }
+        )
         self.strategy._check_mirrored(model, "the model")
         self.optimizer = _optimizer_for(
             self, optimizer, global_clipnorm, gradient_accumulation_steps, shard_optimizer_state

@@ -64,8 +64,13 @@ class ModelCheckpoint(Callback):
         self.monitor = monitor
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
-        self._better = _improved(mode, monitor)
+        self.mode = mode
+        self._better = _improved(mode, monitor)  # refuse an unknown mode now
         self.best: float | None = None
+
+    def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        directions = getattr(self.trainer, "_directions", None)
+        self._better = _improved(self.mode, self.monitor, directions, "ModelCheckpoint")
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
         if self.save_best_only:

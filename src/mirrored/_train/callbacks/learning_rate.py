@@ -129,7 +129,8 @@ class ReduceLROnPlateau(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        if _improved(self.mode, self.monitor) is np.less:
+        directions = getattr(getattr(self, "trainer", None), "_directions", None)
+        if _improved(self.mode, self.monitor, directions, "ReduceLROnPlateau") is np.less:
             self.monitor_op = lambda a, b: np.less(a, b - self.min_delta)
             self.best = np.inf
         else:

@@ -16,14 +16,33 @@ from mirrored._train.callbacks.base import Callback
 logger = logging.getLogger("mirrored")
 
 
-def _improved(mode: str, monitor: str) -> Any:
+def _improved(
+    mode: str, monitor: str, directions: Mapping[str, str | None] | None = None, who: str = ""
+) -> Any:
+    """np.greater or np.less: what `mode` makes an improvement of `monitor`. "auto" follows
+    the monitored metric's direction (Keras 3's rule: the loss falls; accuracy, AUC, precision
+    and recall rise; errors fall) from the trainer's `directions` of its logged names; for a
+    name without one (a metric function of your own), "acc" in it rises, else it falls, said
+    in a warning (Keras 3 raises there)."""
     if mode not in ("auto", "min", "max"):
         raise ValueError(
             f"Expected mode 'auto', 'min' or 'max'; found {mode!r}. Fix: 'min' for losses, "
             "'max' for accuracies, or 'auto' to choose from the monitored name."
         )
     if mode == "auto":
-        mode = "max" if "acc" in monitor else "min"
+        direction = (directions or {}).get(monitor.removeprefix("val_"))
+        if direction is None:
+            direction = "up" if "acc" in monitor else "down"
+            if directions is not None and monitor.removeprefix("val_") in directions:
+                logger.warning(
+                    "%s: mode='auto' cannot tell whether %r should rise or fall (a metric "
+                    "without a direction); it takes %s as better. Fix: pass mode='max' or "
+                    "mode='min' (or give the metric direction='up' or 'down').",
+                    who,
+                    monitor,
+                    "higher" if direction == "up" else "lower",
+                )
+        mode = "max" if direction == "up" else "min"
     return np.greater if mode == "max" else np.less
 
 
@@ -67,8 +86,8 @@ class EarlyStopping(Callback):
         self.baseline = baseline
         self.restore_best_weights = restore_best_weights
         self.start_from_epoch = start_from_epoch
-        self._better = _improved(mode, monitor)
-        self._sign = 1.0 if self._better is np.less else -1.0
+        self.mode = mode
+        self._better = _improved(mode, monitor)  # refuse an unknown mode now
         self.stopped_epoch = 0
         self.best_epoch = 0
 
@@ -76,6 +95,9 @@ class EarlyStopping(Callback):
         return bool(self._better(value + self._sign * self.min_delta, reference))
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
+        directions = getattr(self.trainer, "_directions", None)
+        self._better = _improved(self.mode, self.monitor, directions, "EarlyStopping")
+        self._sign = 1.0 if self._better is np.less else -1.0
         self.wait = 0
         self.stopped_epoch = 0
         self.best_epoch = 0
