@@ -286,6 +286,29 @@ def test_run_steps_errors_say_what_to_do(devices):
     assert strategy.run_steps(mlp_step, exhausted, steps=2, args=(model, optimizer)) is None
 
 
+def test_batches_of_different_shapes_in_one_program_are_refused_with_the_fix(devices):
+    """Batches padded each to its own length (tf.data's padded_batch) cannot share one K-step
+    program: a clear error naming the steps' shapes and the fixes, the model unchanged (before:
+    jnp.stack's 'All input arrays must have the same shape')."""
+    strategy = mirrored.MirroredStrategy(devices)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 12)).astype(np.float32), rng.integers(0, 5, 16)),
+        (rng.normal(size=(16, 12)).astype(np.float32), rng.integers(0, 5, 16)),
+        (rng.normal(size=(16, 13)).astype(np.float32), rng.integers(0, 5, 16)),
+    ]
+    model, optimizer = _state(strategy, lambda: optax.sgd(0.1))
+    before = params_of(model)
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+    with pytest.raises(ValueError, match=r"step 0's \(16, 12\) float32 and step 2's \(16, 13\)"):
+        strategy.run_steps(mlp_step, iterator, steps=3, args=(model, optimizer))
+    after = params_of(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    trainer = adam_trainer(steps_per_execution=3)
+    with pytest.raises(ValueError, match=r"padded_shapes=.*steps_per_execution=1"):
+        trainer.fit(batches, verbose=0)
+
+
 RNG = np.random.default_rng(1)
 X = RNG.normal(size=(525, 12)).astype(np.float32)  # 525 at batch 64: a ragged last batch of 13
 Y = RNG.integers(0, 5, 525).astype(np.int32)
