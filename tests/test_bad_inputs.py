@@ -11,6 +11,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -450,6 +451,32 @@ CASES = [
         lambda env: env["strategy"].gather(_first_batch(env), axis=5),
         V,
         ["axis", "5"],
+    ),
+    (
+        "gather-per-replica-scalars",
+        lambda env: env["strategy"].gather(
+            env["strategy"].run(lambda x: jnp.mean(x), args=(_first_batch(env),)), axis=0
+        ),
+        V,
+        ["rank 1 or more", "scalar", "experimental_local_results", "value[None]"],
+    ),
+    (
+        "all-gather-scalars-in-run",
+        lambda env: env["strategy"].run(
+            lambda x: mirrored.get_replica_context().all_gather(jnp.mean(x), axis=0),
+            args=(_first_batch(env),),
+        ),
+        V,
+        ["rank 1 or more", "scalar", "value[None]"],
+    ),
+    (
+        "all-gather-axis-out-of-range",
+        lambda env: env["strategy"].run(
+            lambda x: mirrored.get_replica_context().all_gather(x, axis=2),
+            args=(_first_batch(env),),
+        ),
+        V,
+        ["axis", "[-2, 2)", "found 2"],
     ),
     ("strategy-no-devices", lambda env: mirrored.MirroredStrategy([]), V, ["device", "empty"]),
     (

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._core.values import ReduceOp
@@ -294,6 +295,19 @@ class ReplicaContext:
             return value
 
         def one(x: Any) -> Any:
+            if jnp.ndim(x) == 0:
+                raise ValueError(
+                    "ReplicaContext.all_gather expected values of rank 1 or more "
+                    "(TensorFlow's rule: it concatenates along an existing axis); found a "
+                    "scalar. Fix: all_gather(value[None], axis=0) for a vector of one value "
+                    "per replica, or all_reduce('SUM' or 'MEAN', value) for one number."
+                )
+            if not isinstance(axis, int) or not -jnp.ndim(x) <= axis < jnp.ndim(x):
+                raise ValueError(
+                    f"ReplicaContext.all_gather expected axis to be an int in "
+                    f"[{-jnp.ndim(x)}, {jnp.ndim(x)}) for a value of shape {jnp.shape(x)}; "
+                    f"found {axis!r}. Fix: axis=0 concatenates the replicas' batches."
+                )
             if not is_varying(x):
                 x = jax.lax.pcast(x, REPLICA_AXIS, to="varying")
             return jax.lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True)

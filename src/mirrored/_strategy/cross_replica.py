@@ -154,6 +154,8 @@ def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
     def one(v: Any) -> jax.Array:
         values = stacked(strategy, v)
         rank = values.ndim - 1
+        if rank == 0:
+            raise ValueError(_scalar_gather("strategy.gather"))
         if not isinstance(axis, int) or not -rank <= axis < rank:
             raise ValueError(
                 f"Expected axis to be an int in [{-rank}, {rank}) for per-replica values of "
@@ -180,3 +182,13 @@ def local_results(strategy: StrategyLike, value: Any) -> tuple[Any, ...]:
     with jax.set_mesh(None):  # slicing one device's shard must not see the scope's mesh
         columns = [_local_values(leaf, n) for leaf in leaves]
     return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
+
+
+def _scalar_gather(where: str) -> str:
+    return (
+        f"{where} expected per-replica values of rank 1 or more (TensorFlow's rule: gather "
+        "concatenates along an existing axis); found a scalar per replica. Fix: "
+        "strategy.experimental_local_results(value) for each replica's scalar, "
+        "strategy.reduce('SUM' or 'MEAN', value, axis=None) for one number, or gather "
+        "value[None] (shape (1,)) for a vector of one value per replica."
+    )
