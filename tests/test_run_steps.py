@@ -288,8 +288,8 @@ def test_run_steps_errors_say_what_to_do(devices):
 
 def test_batches_of_different_shapes_in_one_program_are_refused_with_the_fix(devices):
     """Batches padded each to its own length (tf.data's padded_batch) cannot share one K-step
-    program: a clear error naming the steps' shapes and the fixes, the model unchanged (before:
-    jnp.stack's 'All input arrays must have the same shape')."""
+    program of run_steps: a clear error naming the steps' shapes and the fixes, the model
+    unchanged (before: jnp.stack's 'All input arrays must have the same shape')."""
     strategy = mirrored.MirroredStrategy(devices)
     rng = np.random.default_rng(0)
     batches = [
@@ -304,9 +304,51 @@ def test_batches_of_different_shapes_in_one_program_are_refused_with_the_fix(dev
         strategy.run_steps(mlp_step, iterator, steps=3, args=(model, optimizer))
     after = params_of(model)
     assert all(np.array_equal(before[k], after[k]) for k in before)
-    trainer = adam_trainer(steps_per_execution=3)
-    with pytest.raises(ValueError, match=r"padded_shapes=.*steps_per_execution=1"):
-        trainer.fit(batches, verbose=0)
+
+
+class _Pool(nnx.Module):
+    """Mean over a sequence of any length, then a linear layer."""
+
+    def __init__(self, rngs):
+        self.out = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x.mean(axis=1))
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_the_trainer_runs_batches_of_different_shapes_one_program_each(replicas):
+    """Trainer(steps_per_execution=K) on batches padded each to its own length (tf.data's
+    padded_batch), as Keras' fit: a chunk whose batches differ in shape runs one program per
+    batch, a chunk of one shape one program; the numbers of steps_per_execution=1."""
+    rng = np.random.default_rng(0)
+    lengths = [5, 5, 5, 7, 5, 9, 6, 6, 6, 8]
+    batches = [
+        (rng.normal(size=(16, t, 3)).astype(np.float32), rng.integers(0, 2, 16)) for t in lengths
+    ]
+    batches[-1] = (batches[-1][0][:11], batches[-1][1][:11])  # ragged too
+    strategy = mirrored.MirroredStrategy(jax.devices()[:replicas])
+
+    def trained(k):
+        with strategy.scope():
+            trainer = mirrored.Trainer(
+                _Pool(nnx.Rngs(0)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                ["accuracy"],
+                from_logits=True,
+                steps_per_execution=k,
+            )
+        history = trainer.fit(batches, epochs=2, verbose=0, shuffle=False).history
+        return history, trainer.evaluate(batches), params_of(trainer.model)
+
+    one, three = trained(1), trained(3)
+    assert one[0].keys() == three[0].keys()
+    for name in one[0]:
+        assert one[0][name] == pytest.approx(three[0][name], rel=1e-6, abs=1e-7)
+    assert one[1] == pytest.approx(three[1], rel=1e-6, abs=1e-7)
+    for name in one[2]:
+        np.testing.assert_allclose(one[2][name], three[2][name], rtol=1e-6, atol=1e-7)
 
 
 RNG = np.random.default_rng(1)

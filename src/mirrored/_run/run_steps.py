@@ -86,8 +86,8 @@ def stacked_steps(
                 f"have one shape; found step 0's {shapes[0][0]} {shapes[0][1]} and step "
                 f"{other}'s {shapes[other][0]} {shapes[other][1]} (batches padded each to its "
                 "own length, say); these steps did not run. Fix: pad every batch to one shape "
-                "(tf.data: padded_batch(..., padded_shapes=...) with fixed lengths), or run one "
-                "step per program: strategy.run per batch, Trainer(steps_per_execution=1)."
+                "(tf.data: padded_batch(..., padded_shapes=...) with fixed lengths), or call "
+                "strategy.run per batch (Trainer.fit does so for such batches)."
             )
     masked = any(m is not None for m in masks)
     stacked = _stack_steps(columns, masks if masked else [], counts if masked else [], strategy)

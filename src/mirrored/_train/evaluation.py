@@ -23,6 +23,7 @@ from mirrored._train.batches import (
     _Logs,
     _next_chunk,
     _steps_of,
+    one_shape,
 )
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.callback_list import CallbackList
@@ -145,10 +146,11 @@ class Evaluation:
         while chunk := _next_chunk(batches, k):
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
-            if isinstance(chunk, list) and k == 1:  # never stacked at K = 1
-                totals = self.strategy.run(
-                    eval_step, args=(self.model, totals, self._stateful, *rows, *chunk[0])
-                )
+            if isinstance(chunk, list) and (k == 1 or not one_shape(chunk)):
+                for batch in chunk:  # never stacked at K = 1; or of different shapes
+                    totals = self.strategy.run(
+                        eval_step, args=(self.model, totals, self._stateful, *rows, *batch)
+                    )
             else:
                 additions = self.strategy.run_steps(
                     eval_additions,

@@ -30,6 +30,7 @@ from mirrored._train.batches import (
     _Logs,
     _next_chunk,
     _steps_of,
+    one_shape,
     pass_position,
 )
 from mirrored._train.callbacks.base import Callback, History
@@ -362,12 +363,14 @@ class FitLoop:
         if data is not None:
             train_step, additions_step = _gathering(train_step), _gathering(additions_step)
             rows = (data,)
-        if self.steps_per_execution == 1:
-            (batch,) = chunk  # type: ignore[misc]  # one batch: never stacked
-            self._train_totals = self.strategy.run(
-                train_step,
-                args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
-            )
+        if self.steps_per_execution == 1 or not one_shape(chunk):
+            # One batch, or batches of different shapes (padded each to its own length, as
+            # Keras' steps run them): one program per batch.
+            for batch in chunk:  # type: ignore[union-attr]  # a list: never stacked
+                self._train_totals = self.strategy.run(
+                    train_step,
+                    args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
+                )
             return
         additions = self.strategy.run_steps(
             additions_step,

@@ -162,34 +162,8 @@ class Trainer(FitLoop, Evaluation):
         for metric, _ in stateful:
             self.strategy._check_mirrored(metric, f"the metric {metric.name!r}")
         self._stateful = tuple(m for m, _ in stateful)
-        unweighted = {m.name for m in resolved}
-        names = [
-            "loss",
-            *(m.name for m in self.metrics),
-            # Keras names a weighted metric that shares an unweighted one's name "weighted_...".
-            *(
-                f"weighted_{m.name}" if m.name in unweighted else m.name
-                for m in self.weighted_metrics
-            ),
-        ]
-        self._stateful_names = [
-            f"weighted_{m.name}" if weighted and m.name in unweighted else m.name
-            for m, weighted in stateful
-        ]
-        if len(set(names + self._stateful_names)) != len(names) + len(self._stateful_names):
-            raise ValueError(
-                f"Expected distinct metric names; found {names + self._stateful_names}. Fix: "
-                "give metrics distinct name= arguments."
-            )
-        self._names = names
-        # Each logged name's direction ("up", "down", None: unknown), for callbacks' "auto".
-        given = [*self.metrics, *self.weighted_metrics, *self._stateful]
-        self._directions = (
-            {"loss": "down"}
-            | {
-                name: getattr(m, "direction", None) or getattr(m, "_direction", None)  # Keras'
-                for name, m in zip([*names[1:], *self._stateful_names], given, strict=True)
-            }
+        self._names, self._stateful_names, self._directions = _logged_names(
+            resolved, self.metrics, self.weighted_metrics, stateful
         )
         self.strategy._check_mirrored(model, "the model")
         self.optimizer = _optimizer_for(
@@ -415,6 +389,38 @@ _OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adadelta": lambda: optax.adadelta(1e-3, rho=0.95, eps=1e-7),
     "lion": lambda: optax.lion(1e-3, b1=0.9, b2=0.99, weight_decay=0.0),
 }
+
+
+def _logged_names(
+    resolved: Sequence[Any],
+    metrics: Sequence[Any],
+    weighted_metrics: Sequence[Any],
+    stateful: Sequence[tuple[Any, bool]],
+) -> tuple[list[str], list[str], dict[str, str | None]]:
+    """The logged names of the loss and the per-example metrics, those of the stateful
+    metrics, and each name's direction ("up", "down", None: unknown) for callbacks' "auto"."""
+    unweighted = {m.name for m in resolved}
+    names = [
+        "loss",
+        *(m.name for m in metrics),
+        # Keras names a weighted metric that shares an unweighted one's name "weighted_...".
+        *(f"weighted_{m.name}" if m.name in unweighted else m.name for m in weighted_metrics),
+    ]
+    stateful_names = [
+        f"weighted_{m.name}" if weighted and m.name in unweighted else m.name
+        for m, weighted in stateful
+    ]
+    if len(set(names + stateful_names)) != len(names) + len(stateful_names):
+        raise ValueError(
+            f"Expected distinct metric names; found {names + stateful_names}. Fix: "
+            "give metrics distinct name= arguments."
+        )
+    given = [*metrics, *weighted_metrics, *(m for m, _ in stateful)]
+    directions: dict[str, str | None] = {"loss": "down"}
+    for name, metric in zip([*names[1:], *stateful_names], given, strict=True):
+        # mirrored's metrics say `direction`, Keras' `_direction`.
+        directions[name] = getattr(metric, "direction", None) or getattr(metric, "_direction", None)
+    return names, stateful_names, directions
 
 
 def _named_optimizer(optimizer: Any) -> Any:
