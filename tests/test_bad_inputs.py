@@ -736,25 +736,27 @@ def test_a_keras_optimizer_name_and_class_weight_mean_what_they_mean_in_keras(en
     )
 
 
+def _sgd_trainer(env, seed, **options):
+    """The SmallMLP Trainer (SGD 0.1, sparse cross-entropy of logits) of `env`'s strategy."""
+    with env["strategy"].scope():
+        return mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(seed)),
+            optax.sgd(0.1),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            **options,
+        )
+
+
 def test_class_weight_weighs_the_training_batches_only_with_validation_split(env):
     """Keras applies class_weight to the training data alone: with validation_split, the
     held-out rows are validated unweighted (val_loss = evaluate on them), and training is
     validation_data's on the same rows (before: the held-out rows carried the class weights,
     val_loss 1.99 for 1.31)."""
     weights = {0: 2.0, 3: 0.25}
-
-    def trainer():
-        with env["strategy"].scope():
-            return mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(1)),
-                optax.sgd(0.1),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                metrics=["accuracy"],
-                weighted_metrics=["accuracy"],
-            )
-
-    split, given = trainer(), trainer()
+    split, given = [
+        _sgd_trainer(env, 1, metrics=["accuracy"], weighted_metrics=["accuracy"]) for _ in range(2)
+    ]
     kwargs = {"batch_size": 16, "verbose": 0, "shuffle": False, "class_weight": weights}
     by_split = split.fit(X, Y, validation_split=0.25, **kwargs).history
     cut = int(len(X) * 0.75)
@@ -774,14 +776,7 @@ def test_check_numerics_in_fit_names_the_epoch_and_batch_and_keeps_the_batches_b
     nothing), and the model is the one the four batches before it trained."""
 
     def trainer():
-        with env["strategy"].scope():
-            return mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(2)),
-                optax.sgd(0.1),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=per_execution,
-            )
+        return _sgd_trainer(env, 2, steps_per_execution=per_execution)
 
     bad, checked = _with(X, 37, np.inf), trainer()
     mirrored.debug.enable_check_numerics()
