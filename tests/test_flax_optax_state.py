@@ -158,6 +158,40 @@ class ScanStack(nnx.Module):
         return forward(x, self.blocks)
 
 
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_host_values_set_between_steps_are_mirrored_by_the_next_step(devices, replicas):
+    """A Python float put into an injected learning rate, a NumPy array into a kernel and a
+    NumPy scalar into a Variable between steps, as with nnx.jit on one device (before: the
+    next step raised "'float' object has no attribute 'sharding'")."""
+
+    def tx():
+        return optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+
+    def between(model, optimizer):
+        optimizer.opt_state.hyperparams["learning_rate"].set_value(0.5)
+        model.out.kernel.set_value(np.full((8, 3), 0.01, np.float32))
+        model.table.set_value(np.float32(0.25))
+
+    plain = Net(nnx.Rngs(0))
+    plain_optimizer = nnx.Optimizer(plain, tx(), wrt=nnx.Param)
+    jitted = nnx.jit(_step)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        model = Net(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    dataset = list(strategy.experimental_distribute_dataset(BATCHES))
+    for k, (x, y) in enumerate(BATCHES):
+        if k == 1:
+            between(plain, plain_optimizer)
+            between(model, optimizer)
+        jitted(plain, plain_optimizer, x, y)
+        strategy.run(_step, args=(model, optimizer, *dataset[k]))
+    ours, theirs = _leaves(model), _leaves(plain)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def _scan_step(model, optimizer, x, y):
     def loss_fn(model):
         per_example = jnp.mean((model(x)[:, :3] - y) ** 2, axis=-1)

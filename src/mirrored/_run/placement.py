@@ -42,8 +42,11 @@ class Placement:
         return placed
 
     def is_mirrored(self, x: Any) -> bool:
-        """Whether the jax.Array `x` is fully replicated on exactly this strategy's devices."""
-        sharding = x.sharding
+        """Whether `x` is a jax.Array fully replicated on exactly this strategy's devices (a
+        host value, a Python or NumPy number set between steps, is not yet)."""
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            return False
         ok = self._sharding_ok.get(sharding)
         if ok is None:
             ok = sharding.is_fully_replicated and sharding.device_set == self._devices
