@@ -65,6 +65,45 @@ def test_overflow_on_one_replica_skips_the_update_everywhere(devices):
     assert int(optimizer.step[...]) == 1
 
 
+class _DropoutMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(12, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)  # its own random stream, folded per replica
+        self.out = nnx.Linear(16, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.hidden(x))))
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_loss_scaling_leaves_a_models_random_streams_to_the_step(devices, replicas):
+    """The loss-scaled update selects only what it writes (parameters, optimizer state): a
+    model whose Dropout holds its own key trains under mixed_float16 on several replicas (it
+    raised ReplicaDivergenceError on the key, which each replica folds with its index), and a
+    skipped step still leaves the parameters as they were."""
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    with strategy.scope():
+        trainer = mirrored.Trainer(
+            _DropoutMLP(nnx.Rngs(0)),
+            optax.sgd(0.1),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            policy="mixed_float16",
+        )
+    x, y = (np.concatenate(parts) for parts in zip(*global_batches(2, 32), strict=True))
+    losses = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0).history["loss"]
+    assert all(np.isfinite(losses)) and losses[1] < losses[0]
+    assert_bit_identical_on_devices(trainer.model)
+    with strategy.scope():
+        model = _DropoutMLP(nnx.Rngs(0))
+        optimizer = LossScaleOptimizer(model, optax.sgd(0.1))
+    ((xb, yb),) = list(strategy.experimental_distribute_dataset([(x[:16] * 1e38, y[:16])]))
+    before = params_of(model)
+    assert not bool(strategy.run(scaled_step, args=(model, optimizer, xb, yb)))
+    after = params_of(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
 def test_scale_grows_after_growth_interval_finite_steps(devices):
     strategy, model, optimizer = scaled_setup(devices, initial_scale=4.0, growth_interval=3)
     batches = list(strategy.experimental_distribute_dataset(global_batches(4, 64)))

@@ -121,11 +121,17 @@ class ShardedOptimizer(nnx.Optimizer):  # type: ignore[type-arg]
 
 
 def update_only_if(finite: Any, optimizer: Any, model: Any, grads: Any, **kwargs: Any) -> None:
-    """`nnx.Optimizer.update(optimizer, model, grads)` where `finite`, else no change."""
-    # A snapshot of the values (nnx.state shares the live Variables).
-    before = jax.tree.map(lambda v: v, nnx.state((model, optimizer)))
+    """`nnx.Optimizer.update(optimizer, model, grads)` where `finite`, else no change.
+
+    Only what the update writes is selected (the `wrt` parameters and the optimizer's own
+    state): the model's other Variables (random keys folded per replica, BatchNorm statistics)
+    are left as the step made them, not written back."""
+
+    def updated() -> Any:
+        return nnx.state(model, optimizer.wrt), nnx.state(optimizer, nnx.OptState)
+
+    before = jax.tree.map(lambda v: v, updated())  # a snapshot: nnx.state shares Variables
     nnx.Optimizer.update(optimizer, model, grads, **kwargs)
-    after = nnx.state((model, optimizer))
-    nnx.update(
-        (model, optimizer), jax.tree.map(lambda a, b: jnp.where(finite, a, b), after, before)
-    )
+    chosen = jax.tree.map(lambda a, b: jnp.where(finite, a, b), updated(), before)
+    nnx.update(model, chosen[0])
+    nnx.update(optimizer, chosen[1])
