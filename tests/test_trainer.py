@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -72,6 +73,63 @@ def test_evaluate_is_exact_across_replica_counts(devices):
     expected_loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
     assert eight["accuracy"] == one["accuracy"] == np.mean(logits.argmax(-1) == y)
     np.testing.assert_allclose([eight["loss"], one["loss"]], expected_loss, rtol=1e-6)
+
+
+class _TwoOutputs(nnx.Module):
+    """SmallMLP's logits and a second output (their energy), as a dict."""
+
+    def __init__(self, rngs):
+        self.net = SmallMLP(rngs=rngs)
+
+    def __call__(self, x):
+        logits = self.net(x)
+        return {"logits": logits, "energy": jnp.sum(logits**2, axis=-1)}
+
+
+def _on_logits(y_true, y_pred):
+    return optax.softmax_cross_entropy_with_integer_labels(y_pred["logits"], y_true)
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_a_model_of_several_outputs_trains_with_a_loss_that_picks_one(devices, replicas):
+    """A model returning a dict, with a loss function and a metric that pick its logits,
+    gives the numbers of the same model returning the logits alone (ragged batch); Keras'
+    names on such a model are a clear error naming the fix (was "'dict' object has no
+    attribute 'shape'")."""
+    x, y = data(37)
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+
+    def picked_accuracy(y_true, y_pred):
+        return (jnp.argmax(y_pred["logits"], -1) == y_true).astype(jnp.float32)
+
+    def picked_accuracy_of_one(y_true, y_pred):  # the same name in the logs: picked_...
+        return (jnp.argmax(y_pred, -1) == y_true).astype(jnp.float32)
+
+    picked_accuracy_of_one.__name__ = "picked_accuracy"
+
+    def fitted(make, loss, metric):
+        with strategy.scope():
+            trainer = mirrored.Trainer(make(nnx.Rngs(0)), optax.sgd(0.1), loss, [metric])
+        history = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+        return history, trainer.evaluate(x, y, batch_size=16), params_of(trainer.model)
+
+    two = fitted(_TwoOutputs, _on_logits, picked_accuracy)
+    one = fitted(
+        lambda r: SmallMLP(rngs=r),
+        lambda t, p: _on_logits(t, {"logits": p}),
+        picked_accuracy_of_one,
+    )
+    assert two[0] == one[0] and two[1] == one[1]
+    for name in one[2]:
+        np.testing.assert_array_equal(two[2]["net/" + name], one[2][name])
+    with strategy.scope():
+        named = mirrored.Trainer(
+            _TwoOutputs(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy"
+        )
+    before = params_of(named.model)
+    with pytest.raises(ValueError, match=r"one array; found a dict of \['energy', 'logits'\]"):
+        named.fit(x, y, batch_size=16, verbose=0)
+    assert all(np.array_equal(before[k], params_of(named.model)[k]) for k in before)
 
 
 def test_predict_keeps_input_order_without_padding(devices):

@@ -190,11 +190,17 @@ class Metric:
     """A metric averaged over examples: `values(y_true, y_pred)` → one value per example."""
 
     def __init__(
-        self, name: str, values: Callable[[Any, Any], jax.Array], direction: str | None = None
+        self,
+        name: str,
+        values: Callable[[Any, Any], jax.Array],
+        direction: str | None = None,
+        *,
+        named: bool = False,
     ) -> None:
         self.name = name
         self.values = values
         self.direction = direction  # "up", "down" or None (unknown): as `metrics.Metric`'s
+        self.named = named  # one of Keras' names: takes one output array
 
     def __repr__(self) -> str:
         return f"Metric({self.name!r})"
@@ -271,7 +277,8 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
         return metric
     if isinstance(spec, str):
         if spec in ("accuracy", "acc"):
-            return Metric(spec, _shape_resolved_accuracy(0.0 if from_logits else 0.5), "up")
+            accuracy = _shape_resolved_accuracy(0.0 if from_logits else 0.5)
+            return Metric(spec, accuracy, "up", named=True)
         named: dict[str, Callable[[Any, Any], jax.Array]] = {
             "sparse_categorical_accuracy": _sparse_accuracy,
             "categorical_accuracy": _categorical_accuracy,
@@ -287,7 +294,7 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
                 f"Expected a metric name from {sorted(['accuracy', *named])}; found {spec!r}. "
                 "Fix: use one of those, or a callable (y_true, y_pred) -> per-example values."
             )
-        return Metric(spec, named[spec], "up" if "accuracy" in spec else "down")
+        return Metric(spec, named[spec], "up" if "accuracy" in spec else "down", named=True)
     if callable(spec):
         return Metric(getattr(spec, "__name__", "metric"), spec, getattr(spec, "direction", None))
     raise TypeError(f"Expected a metric name, a Metric or a callable; found {spec!r}.")

@@ -57,7 +57,8 @@ def _make_steps(
         ctx = _context.current_replica_context()
         assert ctx is not None
         # Replica-local, like the examples themselves: derived from a per-example value.
-        rows = loss if jnp.ndim(loss) else y_pred.reshape(y_pred.shape[0], -1)[:, 0]
+        first = jax.tree.leaves(y_pred)[0]  # a model of several outputs: its first
+        rows = loss if jnp.ndim(loss) else first.reshape(first.shape[0], -1)[:, 0]
         ones = rows * 0 + 1
         real = ones if ctx.example_mask is None else ones * ctx.example_mask
         real = real.astype(jnp.float32)
@@ -209,10 +210,31 @@ def _local_parameters(model: Any) -> Iterator[None]:
             variable.set_raw_value(value)
 
 
+def _rows(y_pred: Any) -> int:
+    """The rows of this replica's predictions (of its first output, for a dict or tuple)."""
+    return int(jax.tree.leaves(y_pred)[0].shape[0])
+
+
+def _one_output(y_pred: Any, what: str) -> None:
+    """Refuse a model of several outputs for a loss or metric named by Keras' names."""
+    if isinstance(y_pred, dict | tuple | list):
+        found = (
+            f"a dict of {sorted(y_pred)}"
+            if isinstance(y_pred, dict)
+            else (f"a {type(y_pred).__name__} of {len(y_pred)}")
+        )
+        raise ValueError(
+            f"{what} expected the model to return one array; found {found} outputs. Fix: "
+            "pass a function of (y_true, y_pred) that picks the output, e.g. loss=lambda y, "
+            "p: optax.softmax_cross_entropy_with_integer_labels(p['logits'], y), or return "
+            "one array from the model."
+        )
+
+
 def _examples(y_pred: Any) -> Any:
     """The global batch's real examples (the same number on every replica)."""
     ctx = _context.current_replica_context()
-    rows = y_pred.shape[0]
+    rows = _rows(y_pred)
     if ctx is None or not ctx.in_spmd:
         return rows
     if ctx.example_count is not None:
@@ -225,8 +247,10 @@ def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
     losses averaged over the global batch's real rows; a loss that gives one number for the
     batch (Dice, a function that takes the mean itself) evaluated once on the global batch,
     times the mean sample weight (Keras broadcasts such a number to the weights)."""
+    if isinstance(loss_fn, _objectives.Loss):
+        _one_output(y_pred, f"loss={loss_fn.name!r}")
     values = loss_fn(y, y_pred)
-    if is_per_example(values, y_pred.shape[0]):
+    if is_per_example(values, _rows(y_pred)):
         per_example = _objectives.per_example(values)
         return compute_average_loss(per_example, sample_weight=w), per_example
 
@@ -249,8 +273,10 @@ def _metric_terms(
     example, the (weighted) sum over the real rows and their count (weight); a metric that
     gives one number for the batch (`rmse`), that number on the global batch once (Keras'
     mean over batches), or weighted by the batch's sample weights."""
+    if metric.named:
+        _one_output(y_pred, f"the metric {metric.name!r}")
     values = metric.values(y, y_pred)
-    if is_per_example(values, y_pred.shape[0]):
+    if is_per_example(values, _rows(y_pred)):
         values = _objectives.per_example(values).astype(jnp.float32)
         weight = real if weight is None else weight
         return jnp.sum(values * weight), jnp.sum(weight)
