@@ -486,6 +486,22 @@ CASES = [
         ["/gpu:0", "/cpu:0"],
     ),
     (
+        "distribute-generator-with-batch-size",
+        lambda env: env["strategy"].experimental_distribute_dataset(
+            ((X[i : i + 8], Y[i : i + 8]) for i in range(0, 16, 8)), batch_size=8
+        ),
+        V,
+        ["generator of batches", "drop batch_size="],
+    ),
+    (
+        "distribute-list-of-batches-with-batch-size",
+        lambda env: env["strategy"].experimental_distribute_dataset(
+            [(X[:8], Y[:8]), (X[8:16], Y[8:16])], batch_size=8
+        ),
+        V,
+        ["list of batches", "drop batch_size="],
+    ),
+    (
         "distribute-dataset-int",
         lambda env: env["strategy"].experimental_distribute_dataset(42),
         T,

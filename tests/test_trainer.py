@@ -132,6 +132,38 @@ def test_a_model_of_several_outputs_trains_with_a_loss_that_picks_one(devices, r
     assert all(np.array_equal(before[k], params_of(named.model)[k]) for k in before)
 
 
+def test_batch_size_is_for_arrays_and_a_source_of_batches_keeps_its_own(devices):
+    """fit(x, y, batch_size=16, validation_data=<a generator or a list of (x, y) batches>),
+    and evaluate / fit of such a source with batch_size=, use the source's batches, as Keras
+    (before: an error after the first epoch had trained)."""
+    x, y = data(64)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 48, 16)]
+
+    def trainer():
+        with mirrored.MirroredStrategy(devices).scope():
+            return mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+            )
+
+    histories = []
+    for validation in (batches, iter(batches), None):
+        fitted = trainer()
+        kwargs = {"validation_data": validation} if validation is not None else {}
+        histories.append(fitted.fit(x, y, batch_size=16, verbose=0, shuffle=False, **kwargs))
+    assert histories[0].history == histories[1].history
+    assert histories[0].history["loss"] == histories[2].history["loss"]
+    expected = histories[0].history["val_loss"][-1]
+    reference = trainer()
+    reference.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    assert reference.evaluate(iter(batches), batch_size=16)["loss"] == pytest.approx(expected)
+    assert reference.evaluate(batches, batch_size=16)["loss"] == pytest.approx(expected)
+    generated = trainer().fit((b for b in batches), batch_size=16, verbose=0).history
+    assert generated == trainer().fit(batches, verbose=0).history
+
+
 def test_predict_keeps_input_order_without_padding(devices):
     x, _ = data(50)  # 50 rows over 8 replicas, batch 16: ragged and padded
     _, model, trainer = make_trainer(devices)

@@ -375,6 +375,15 @@ def _count_real(mask: jax.Array, sharding: Any) -> jax.Array:
     return jax.lax.with_sharding_constraint(jnp.sum(mask, dtype=jnp.int32), sharding)
 
 
+def _batched_already(dataset: Any) -> bool:
+    """A source of batches (an iterator, a list of tuple or dict batches), not arrays."""
+    if isinstance(dataset, Iterator):
+        return True
+    return (
+        isinstance(dataset, list) and bool(dataset) and isinstance(dataset[0], tuple | list | dict)
+    )
+
+
 def _nonempty_stream(batches: Iterator[HostBatch]) -> Iterator[HostBatch]:
     produced = False
     for batch in batches:
@@ -455,6 +464,13 @@ def distribute_dataset(
         if batch_size < n:
             _batching.per_replica_batch_size(batch_size, n)  # raises: 0 per replica
     if batch_size is not None and not hasattr(dataset, "batch"):
+        if _batched_already(dataset):
+            raise ValueError(
+                "Expected batch_size= with in-memory arrays ((x, y), a dict of arrays) or a "
+                f"Grain dataset of single examples; found a {type(dataset).__name__} of "
+                "batches, which gives its own batch size. Fix: drop batch_size= (each item "
+                "is one global batch)."
+            )
         arrays = jax.tree.map(_batching.as_host_array, dataset)
         size = _batching.leading_size(jax.tree.leaves(arrays))
         if size == 0:

@@ -287,7 +287,11 @@ class Trainer(FitLoop, Evaluation):
                 f"Expected sample_weight=None with a dataset ({type(x).__name__}); found "
                 "weights. Fix: let the dataset yield (x, y, sample_weight) batches."
             )
-        return self.strategy.experimental_distribute_dataset(x, batch_size=batch_size)
+        # batch_size batches a Grain dataset of single examples; a source of batches (a
+        # generator, a list of (x, y) batches, tf.data) gives its own, as Keras ignores it.
+        return self.strategy.experimental_distribute_dataset(
+            x, batch_size=batch_size if hasattr(x, "batch") else None
+        )
 
     @property
     def _width(self) -> int:
