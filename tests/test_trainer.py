@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +163,40 @@ def test_batch_size_is_for_arrays_and_a_source_of_batches_keeps_its_own(devices)
     assert reference.evaluate(batches, batch_size=16)["loss"] == pytest.approx(expected)
     generated = trainer().fit((b for b in batches), batch_size=16, verbose=0).history
     assert generated == trainer().fit(batches, verbose=0).history
+
+
+def test_steps_per_epoch_reads_on_through_a_source_of_unknown_length(devices, caplog):
+    """Keras' generator pattern: steps_per_epoch=3 over an endless generator trains on
+    batches 0..8 in three epochs, as over a list of them (before: the generator was refused
+    after the first epoch, and a Grain IterDataset trained on batches 0..2 three times); a
+    finite generator that runs out interrupts training with Keras' warning."""
+    x, y = data(16 * 9)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * 9, 16)]
+
+    def endless():
+        while True:
+            yield from batches
+
+    def trained(source, epochs=3):
+        with mirrored.MirroredStrategy(devices).scope():
+            trainer = mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+            )
+        history = trainer.fit(source, steps_per_epoch=3, epochs=epochs, verbose=0).history
+        return history, params_of(trainer.model)
+
+    listed = trained(batches)
+    for source in (endless(), grain.MapDataset.source(batches).to_iter_dataset()):
+        ours = trained(source)
+        assert ours[0] == listed[0]
+        assert all(np.array_equal(ours[1][k], listed[1][k]) for k in listed[1])
+    with caplog.at_level("WARNING", logger="mirrored"):
+        short = trained(iter(batches[:4]))
+    assert len(short[0]["loss"]) == 2  # 3 steps, then 1: the generator is spent
+    assert "ran out after 1 of 3 steps in epoch 2; interrupting training" in caplog.text
 
 
 def test_predict_keeps_input_order_without_padding(devices):

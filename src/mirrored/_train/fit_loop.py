@@ -241,6 +241,7 @@ class FitLoop:
         # data (batches [0, 1], [2, 3], [4], then a new pass), not from its start every epoch.
         length = source_length(train) if steps_per_epoch is not None else None
         current: tuple[int, Iterator[Any]] | None = None  # the pass being read, its batches
+        passes = 0  # the passes begun over a source of unknown length
         # In-memory arrays, one pass an epoch: the next epoch's batches are prepared (its
         # prefetch thread) before this epoch's logs are read; their order depends on the epoch.
         ahead: Iterator[Any] | None = None
@@ -260,7 +261,14 @@ class FitLoop:
             callback_list.on_epoch_begin(epoch, {})
             skip = first_step if epoch == first_epoch else 0
             epoch_steps = steps
-            if length is None or steps is None:
+            if steps_per_epoch is not None and length is None:
+                # A source of unknown length (a generator, a Grain IterDataset): as Keras,
+                # one pass read on through the epochs, a new one only once it runs out.
+                if current is None:
+                    passes += 1
+                    current = (passes, _epoch_batches(train, passes, skip, chunked))
+                batches = current[1]
+            elif length is None or steps is None:
                 batches = (
                     ahead if ahead is not None else _epoch_batches(train, epoch + 1, skip, chunked)
                 )
@@ -298,13 +306,17 @@ class FitLoop:
                 if self.stop_training:
                     break
             if steps is not None and step < steps and not self.stop_training:
+                one_shot = isinstance(x, Iterator) and length is None
                 logger.warning(
-                    "The training data ran out after %d of %d steps in epoch %d. Fix: lower "
+                    "The training data ran out after %d of %d steps in epoch %d%s. Fix: lower "
                     "steps_per_epoch, or leave it unset to run one pass over the data.",
                     step,
                     steps,
                     epoch + 1,
+                    "; interrupting training (a generator cannot start again)" if one_shot else "",
                 )
+                current = None  # the next epoch starts a new pass
+                self.stop_training = self.stop_training or one_shot
             if read_ahead and epoch + 1 < epochs and not self.stop_training:
                 ahead = _epoch_batches(train, epoch + 2, 0, chunked)
             logs = self._read(self._train_totals)
