@@ -306,17 +306,8 @@ class FitLoop:
                 if self.stop_training:
                     break
             if steps is not None and step < steps and not self.stop_training:
-                one_shot = isinstance(x, Iterator) and length is None
-                logger.warning(
-                    "The training data ran out after %d of %d steps in epoch %d%s. Fix: lower "
-                    "steps_per_epoch, or leave it unset to run one pass over the data.",
-                    step,
-                    steps,
-                    epoch + 1,
-                    "; interrupting training (a generator cannot start again)" if one_shot else "",
-                )
-                current = None  # the next epoch starts a new pass
-                self.stop_training = self.stop_training or one_shot
+                current = None  # the next epoch starts a new pass; a generator cannot
+                self.stop_training = _ran_out(step, steps, epoch, isinstance(x, Iterator))
             if read_ahead and epoch + 1 < epochs and not self.stop_training:
                 ahead = _epoch_batches(train, epoch + 2, 0, chunked)
             logs = self._read(self._train_totals)
@@ -429,3 +420,17 @@ class FitLoop:
             _objectives.check_labels(self.loss, host, shape)
         if warning:
             logger.warning(warning)
+
+
+def _ran_out(step: int, steps: int, epoch: int, one_shot: bool) -> bool:
+    """Warn that the data ran out within epoch `epoch`; whether training stops (a one-shot
+    iterator, a generator, cannot start a new pass: Keras' "interrupting training")."""
+    logger.warning(
+        "The training data ran out after %d of %d steps in epoch %d%s. Fix: lower "
+        "steps_per_epoch, or leave it unset to run one pass over the data.",
+        step,
+        steps,
+        epoch + 1,
+        "; interrupting training (a generator cannot start again)" if one_shot else "",
+    )
+    return one_shot
