@@ -229,6 +229,8 @@ def test_only_convolutions_xla_cpu_runs_slowly_in_a_loop_are_named():
     assert slow_convolutions(text(conv, x, w)) == []
     assert slow_convolutions(text(lambda x, w: conv(x, w, (2, 2), 1), x, full)) == []
     assert slow_convolutions(text(lambda x: x.sum(), x)) == []
+    unreadable = text(conv, x, w).replace("dim_numbers = ", "dimension_numbers = ")
+    assert slow_convolutions(unreadable) == ["(dimension numbers not read)"]
     gradient = slow_convolutions(text(jax.grad(lambda w: conv(x, w, groups=1).sum()), full))
     assert gradient == ["[f, 0, 1, b]x[i, 0, 1, o]->[0, 1, b, f]"]
     assert slow_convolutions(text(jax.grad(lambda x: conv(x, full, groups=1).sum()), x))

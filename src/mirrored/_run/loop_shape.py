@@ -31,7 +31,12 @@ def slow_convolutions(lowered_text: str) -> list[str]:
     XLA:CPU runs slowly inside a loop: all but batch-first, features-last ones with a
     `..., in, out` kernel. Empty when none."""
     slow = []
-    for lhs, rhs, out in _DIMS.findall(lowered_text):
+    found = _DIMS.findall(lowered_text)
+    # A convolution whose dimension numbers this cannot read (another StableHLO printing,
+    # say) counts as slow: K calls cost little where one loop would cost 5-25x.
+    unread = lowered_text.count("stablehlo.convolution") - len(found)
+    slow += ["(dimension numbers not read)"] * max(unread, 0)
+    for lhs, rhs, out in found:
         lhs_, rhs_, out_ = (part.replace(" ", "").split(",") for part in (lhs, rhs, out))
         fast = (
             lhs_[0] == "b"
