@@ -288,9 +288,11 @@ class Trainer(FitLoop, Evaluation):
                 "weights. Fix: let the dataset yield (x, y, sample_weight) batches."
             )
         # batch_size batches a Grain dataset of single examples; a source of batches (a
-        # generator, a list of (x, y) batches, tf.data) gives its own, as Keras ignores it.
+        # generator, a list of (x, y) batches, a tf.data Dataset, batched already) gives its
+        # own, as Keras ignores it.
+        grain = type(x).__module__.startswith("grain") and hasattr(x, "batch")
         return self.strategy.experimental_distribute_dataset(
-            x, batch_size=batch_size if hasattr(x, "batch") else None
+            x, batch_size=batch_size if grain else None
         )
 
     @property
