@@ -199,6 +199,21 @@ def test_steps_per_epoch_reads_on_through_a_source_of_unknown_length(devices, ca
     assert "ran out after 1 of 3 steps in epoch 2; interrupting training" in caplog.text
 
 
+def test_metrics_none_is_kerass_default(devices):
+    """compile(metrics=None) is Keras' default: no metrics (it was refused, "Fix: [None]")."""
+    x, y = data(16)
+    with mirrored.MirroredStrategy(devices).scope():
+        trainer = mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(0)),
+            optax.sgd(0.1),
+            "sparse_categorical_crossentropy",
+            None,
+            weighted_metrics=None,
+            from_logits=True,
+        )
+    assert list(trainer.fit(x, y, batch_size=8, verbose=0).history) == ["loss"]
+
+
 def test_predict_keeps_input_order_without_padding(devices):
     x, _ = data(50)  # 50 rows over 8 replicas, batch 16: ragged and padded
     _, model, trainer = make_trainer(devices)

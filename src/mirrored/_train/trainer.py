@@ -103,9 +103,9 @@ class Trainer(FitLoop, Evaluation):
         model: nnx.Module,
         optimizer: optax.GradientTransformation | nnx.Optimizer,
         loss: Any,
-        metrics: Sequence[Any] = (),
+        metrics: Sequence[Any] | None = (),
         *,
-        weighted_metrics: Sequence[Any] = (),
+        weighted_metrics: Sequence[Any] | None = (),
         from_logits: bool = False,
         strategy: Strategy | None = None,
         policy: Policy | str | None = None,
@@ -145,6 +145,8 @@ class Trainer(FitLoop, Evaluation):
         self.policy = global_policy() if policy is None else _as_policy(policy)
         self.model = self.policy.apply(model)
         self.loss = _objectives.get_loss(loss, from_logits=from_logits)
+        metrics = () if metrics is None else metrics  # Keras' compile default
+        weighted_metrics = () if weighted_metrics is None else weighted_metrics
         for name, given in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
             if isinstance(given, str) or not isinstance(given, Sequence):
                 raise TypeError(
