@@ -652,3 +652,41 @@ def test_compile_run_eagerly_runs_the_step_op_by_op_with_the_same_numbers(device
     assert "at mesh coordinates (replica,) = (7,)" in printed  # every replica's values
     assert "mesh coordinates" not in traced  # compiled: a tracer, at trace time only
     assert not mirrored.config.functions_run_eagerly()
+
+
+# A step reading the model and optimizer as module globals, as TensorFlow's tutorial writes it.
+_step_model: keras.Model | None = None
+_step_optimizer: keras.optimizers.Optimizer | None = None
+
+
+def _global_step(x, y):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss, grads = mirrored.keras.value_and_grad(
+        lambda: loss_fn(y, _step_model(x, training=True)), _step_model.trainable_variables
+    )
+    _step_optimizer.apply_gradients(zip(grads, _step_model.trainable_variables, strict=True))
+    return loss
+
+
+def test_a_step_reading_globals_follows_them_when_they_name_new_objects(devices):
+    """Creating the model and optimizer again under the same global names (a notebook cell run
+    twice, a sweep) makes the same step train the new ones: the same losses as the first time
+    (before: the step kept training the first model, silently)."""
+    global _step_model, _step_optimizer
+    strategy = mirrored.MirroredStrategy(devices)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 4, 32)
+    ((xb, yb),) = strategy.experimental_distribute_dataset([(x, y)])
+    runs = []
+    for _ in range(2):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            _step_model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+            _step_optimizer = keras.optimizers.SGD(0.1)
+        losses = [
+            float(strategy.reduce("SUM", strategy.run(_global_step, args=(xb, yb)), None))
+            for _ in range(3)
+        ]
+        runs.append((losses, int(_step_optimizer.iterations.numpy())))
+    assert runs[1] == runs[0]
+    assert runs[0][1] == 3

@@ -69,10 +69,16 @@ def find_captured(
     return find_reachable(fn, lambda value: _holds_state(value, is_mirrored))
 
 
-def find_reachable(fn: Callable[..., Any], test: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+def find_reachable(
+    fn: Callable[..., Any],
+    test: Callable[[Any], bool],
+    globals_found: list[tuple[dict[str, Any], str, Any]] | None = None,
+) -> list[tuple[str, Any]]:
     """(name, object) pairs for which `test` holds, among what `fn` reaches other than through
     its arguments: closure cells, defaults, `self`, partial arguments and the module globals
-    its code (and same-module helpers it calls) loads."""
+    its code (and same-module helpers it calls) loads. `globals_found` collects (namespace,
+    name, object) of those found as globals: a caller keeping the result can check that the
+    names still hold the same objects (a notebook cell that creates the model again)."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -120,6 +126,8 @@ def find_reachable(fn: Callable[..., Any], test: Callable[[Any], bool]) -> list[
             value = namespace[name]
             if test(value):
                 found.append((name, value))
+                if globals_found is not None:
+                    globals_found.append((namespace, name, value))
             elif isinstance(value, types.FunctionType) and value.__globals__ is namespace:
                 # A helper from the same module may capture the model on the step's behalf.
                 visit(value)

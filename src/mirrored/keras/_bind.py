@@ -48,11 +48,17 @@ class Explicit:
 class _Entry:
     objects: list[Any]
     step: KerasStep | None  # None: the step reaches no Keras state
+    # (namespace, name, object) of the objects reached as module globals: still the same?
+    bound: list[tuple[dict[str, Any], str, Any]] = dataclasses.field(default_factory=list)
 
 
-def _captured_objects(fn: Callable[..., Any]) -> list[Any]:
+def _captured_objects(
+    fn: Callable[..., Any], bound: list[tuple[dict[str, Any], str, Any]] | None = None
+) -> list[Any]:
+    """The Keras objects `fn` reaches; those reached as module globals also go to `bound`."""
     objects: list[Any] = []
-    for _, value in _capture.find_reachable(fn, lambda v: bool(_bridge.keras_objects(v))):
+    test = lambda v: bool(_bridge.keras_objects(v))  # noqa: E731
+    for _, value in _capture.find_reachable(fn, test, bound):
         objects += _bridge.keras_objects(value)
     return objects
 
@@ -106,9 +112,13 @@ def _lookup(
     key = (_fn_key(undecorated(fn)), *map(id, from_args))
     cache: dict[Any, _Entry] = runner.extension_state.setdefault("keras", {})
     entry = cache.get(key)
-    if entry is None:
-        objects = _captured_objects(undecorated(fn)) + from_args
+    # A global the step reads now names another object (a notebook cell that made the model
+    # again, a sweep): the step's Keras state is looked up anew, not the old model trained.
+    if entry is None or any(ns.get(name) is not obj for ns, name, obj in entry.bound):
+        bound: list[tuple[dict[str, Any], str, Any]] = []
+        objects = _captured_objects(undecorated(fn), bound) + from_args
         entry = cache[key] = _entry(runner, fn, objects)
+        entry.bound = bound
     return key, cache, entry
 
 
@@ -132,7 +142,9 @@ def _after_lazy_builds(
             if tries == 2:
                 raise
             _initialize_created(runner)
+            bound = entry.bound
             entry = cache[key] = _entry(runner, fn, entry.objects)
+            entry.bound = bound
     raise AssertionError("unreachable")
 
 
