@@ -132,6 +132,11 @@ def _path(env, name):
     return str(env["tmp"] / name)
 
 
+def _inside_another_scope(call):
+    with mirrored.OneDeviceStrategy("/cpu:0").scope():
+        return call()
+
+
 def _first_batch(env):
     ((x, _),) = env["strategy"].experimental_distribute_dataset([(X[:8], Y[:8])])
     return x
@@ -477,6 +482,20 @@ CASES = [
         ),
         V,
         ["axis", "[-2, 2)", "found 2"],
+    ),
+    (
+        "run-inside-another-strategys-scope",
+        lambda env: _inside_another_scope(
+            lambda: env["strategy"].run(lambda x: x * 2, args=(_first_batch(env),))
+        ),
+        ValueError,  # StrategyMixError: a RuntimeError and a ValueError
+        ["strategy.run of MirroredStrategy", "inside the scope of", "leaving"],
+    ),
+    (
+        "reduce-inside-another-strategys-scope",
+        lambda env: _inside_another_scope(lambda: env["strategy"].reduce("SUM", 1.0, None)),
+        ValueError,
+        ["strategy.reduce", "inside the scope of OneDeviceStrategy"],
     ),
     ("strategy-no-devices", lambda env: mirrored.MirroredStrategy([]), V, ["device", "empty"]),
     (

@@ -175,6 +175,7 @@ class Strategy:
         Differs from tf.distribute: state is passed as arguments, never captured by closure.
         """
         _check_callable(fn, "strategy.run(fn)")
+        self._outside_other_scopes("strategy.run")
         if _context.current_replica_context() is not None:
             raise RuntimeError(
                 "Expected strategy.run to be called from the host (cross-replica context); found "
@@ -189,6 +190,18 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"Expected kwargs to be a dict or None; found {type(kwargs).__name__}.")
         return self._runner(fn, args, kwargs or {})
+
+    def _outside_other_scopes(self, what: str) -> None:
+        """Refuse `what` of this strategy inside another strategy's scope (TensorFlow's
+        "Mixing different tf.distribute.Strategy objects"): its devices are not this one's."""
+        current = _context.entered_strategy()
+        if current is not None and current is not self:
+            raise StrategyMixError(
+                f"Expected {what} of {self!r} outside any other strategy's scope; found it "
+                f"inside the scope of {current!r}, whose devices are others.\nFix: call it "
+                "after leaving `with other.scope():` (or inside this strategy's scope), or use "
+                "one strategy throughout."
+            )
 
     # -- the named surface the layers above use (not public API) -------------------------------
 
@@ -252,6 +265,7 @@ class Strategy:
                 "Expected strategy.run_steps to be called from the host; found it inside "
                 "strategy.run. Fix: call the inner function directly."
             )
+        self._outside_other_scopes("strategy.run_steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"Expected steps to be a positive int; found {steps!r}.")
         if not isinstance(args, tuple | list):
@@ -303,6 +317,7 @@ class Strategy:
         Example:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
+        self._outside_other_scopes("strategy.reduce")
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.reduce(self, reduce_op, value, axis)
@@ -313,6 +328,7 @@ class Strategy:
         On a padded batch (or `run`'s per-example outputs over one), `axis=0` keeps the real
         rows only, in order: the global batch as the dataset yielded it.
         """
+        self._outside_other_scopes("strategy.gather")
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.gather(self, value, axis)
