@@ -98,6 +98,12 @@ def test_distribute_values_requires_one_shape(strategy):
         (lambda v: bool(v), "truth value"),
         (lambda v: np.asarray(v), "NumPy array"),
         (lambda v: v[0], "Indexing"),
+        (lambda v: 0.0 + v, "Arithmetic on"),  # `total_loss += loss` without a reduce
+        (lambda v: v / 2, "Arithmetic on"),
+        (lambda v: -v, "Arithmetic on"),
+        (lambda v: f"{v:.4f}", "Formatting"),
+        (lambda v: v.numpy(), r"\.numpy\(\)"),
+        (lambda v: v.item(), r"\.item\(\)"),
     ],
 )
 def test_per_replica_refuses_ambiguous_use(strategy, use, what):
@@ -111,6 +117,7 @@ def test_per_replica_refuses_ambiguous_use(strategy, use, what):
 def test_per_replica_repr_explains_how_to_read(strategy):
     value, _ = per_replica_rows(strategy)
     assert "num_replicas=8, shape=(2, 3)" in repr(value)
+    assert f"{value}" == repr(value)  # print(f"loss {loss}") still describes it
     assert "strategy.reduce" in repr(value)
 
 

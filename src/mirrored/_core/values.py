@@ -142,6 +142,25 @@ class PerReplica:
     def __jax_array__(self) -> jax.Array:
         raise self._refuse("Using in a JAX computation outside strategy.run")
 
+    def __format__(self, spec: str) -> str:
+        if not spec:  # f"{value}": its description
+            return repr(self)
+        raise self._refuse(f"Formatting (':{spec}')")
+
+    def numpy(self) -> np.ndarray:  # TensorFlow's habit (`loss.numpy()`)
+        raise self._refuse("Reading .numpy() of")
+
+    def item(self) -> Any:  # NumPy's and PyTorch's habit
+        raise self._refuse("Reading .item() of")
+
+    def _arithmetic(self, *_: Any) -> Any:
+        raise self._refuse("Arithmetic on")
+
+    # `total_loss += loss` outside a reduce, say: the same refusal, with the fix.
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __pow__ = __rpow__ = _arithmetic
+    __matmul__ = __rmatmul__ = __neg__ = __abs__ = _arithmetic
+
 
 def is_per_replica(x: Any) -> bool:
     """A pytree `is_leaf` that stops at PerReplica values."""
