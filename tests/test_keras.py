@@ -690,3 +690,24 @@ def test_a_step_reading_globals_follows_them_when_they_name_new_objects(devices)
         runs.append((losses, int(_step_optimizer.iterations.numpy())))
     assert runs[1] == runs[0]
     assert runs[0][1] == 3
+
+
+def test_a_fresh_models_first_call_on_fewer_rows_than_replicas(devices):
+    """predict / evaluate of a model under the scope whose first call has fewer examples than
+    replicas (5 on 8) pad them as a ragged batch (they raised that the GLOBAL batch size must
+    be at least 8, though the batch size was Keras' 32); later calls are unaffected."""
+    strategy = mirrored.MirroredStrategy(devices)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 6)).astype(np.float32), rng.integers(0, 2, 40)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    direct = np.asarray(model(x))  # the model on the host, one device
+    np.testing.assert_allclose(model.predict(x[:5], verbose=0), direct[:5], rtol=1e-6, atol=1e-6)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y[:5], direct[:5])
+    assert model.evaluate(x[:5], y[:5], verbose=0) == pytest.approx(float(loss), rel=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), direct, rtol=1e-6, atol=1e-6)

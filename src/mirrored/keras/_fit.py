@@ -60,10 +60,15 @@ class _Placer:
             ):
                 placed = self._dataset._to_devices(leaves, target)
                 return self._dataset._per_replica(treedef, placed, full[1], full[2])
+        target = self._target
+        # A first batch of fewer rows than replicas (predict on 5 examples of a fresh model):
+        # padded to one row per replica, without fixing the later batches' size by it.
+        leaves = jax.tree.leaves(batch)
+        small = target is None and bool(leaves) and 0 < np.shape(leaves[0])[0] < self._n
         host = _input.host_batch(
-            batch, self._target, num_replicas=self._n, processes=self._processes
+            batch, self._n if small else target, num_replicas=self._n, processes=self._processes
         )
-        if self._target is None:
+        if self._target is None and not small:
             self._target = host.size
         placed = self._dataset._place(host)
         if host.real == host.size and self._processes[0] == 1:
