@@ -192,7 +192,7 @@ CASES = [
     ("fit-sample-weight-length", _fit(sample_weight=np.ones(30)), V, ["sample_weight", "(30,)"]),
     ("fit-wrong-features", _fit(x=X[:, :11]), V, ["x", "(11,)", "SmallMLP", "dot_general"]),
     ("fit-wrong-rank", _fit(x=X[:, :, None]), V, ["(12, 1)", "SmallMLP"]),
-    ("fit-float-labels", _fit(y=Y.astype(np.float32) + 0.5), V, ["integer labels"]),
+    ("fit-float-labels", _fit(y=Y.astype(np.float32) + 0.5), V, ["class indices", ".5 (float32)"]),
     ("fit-labels-out-of-range", _fit(y=Y + 10), V, ["[0, 5)", "14"]),
     (
         "fit-class-weight-and-sample-weight",

@@ -395,7 +395,7 @@ def test_labels_that_do_not_fit_the_loss(devices):
     _, _, trainer = make_trainer(devices)
     one_hot = np.eye(5, dtype=np.float32)[y]
     with pytest.raises(
-        ValueError, match="integer labels of shape \\(4,\\).*'categorical_crossentropy'"
+        ValueError, match="class-index labels of shape \\(4,\\).*'categorical_crossentropy'"
     ):
         trainer.fit(x, one_hot, batch_size=32, verbose=0)
 

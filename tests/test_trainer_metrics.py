@@ -117,3 +117,33 @@ def test_sparse_labels_outside_the_class_range_raise_with_the_value(strategy):
     with pytest.raises(ValueError, match=r"labels in \[0, 3\).*found label 7"):
         trainer.fit(X, y, batch_size=16, verbose=0)
     np.testing.assert_array_equal(np.asarray(model.dense.kernel[...]), before)  # no step ran
+
+
+def test_crossentropies_of_probabilities_and_their_label_forms_are_kerass():
+    """Keras divides each row of probabilities by its sum before clipping (a row that does not
+    sum to 1, with a value below epsilon: 15.42, where clipping first gave 13.82), and casts
+    float class indices to int; the names match keras.losses on them, and "AUC" is a name."""
+    import keras
+
+    probs = np.array([[2e-8, 0.1, 0.0], [0.2, 0.5, 0.3], [0.0, 1.0, 0.0]], np.float32)
+    labels = np.array([0, 2, 1])
+    one_hot = np.eye(3, dtype=np.float32)[labels]
+    for ours, theirs, y in (
+        (
+            mirrored.losses.SparseCategoricalCrossentropy(),
+            keras.losses.sparse_categorical_crossentropy,
+            labels,
+        ),
+        (
+            mirrored.losses.SparseCategoricalCrossentropy(),
+            keras.losses.sparse_categorical_crossentropy,
+            labels.astype(np.float32),
+        ),
+        (mirrored.losses.CategoricalCrossentropy(), keras.losses.categorical_crossentropy, one_hot),
+    ):
+        np.testing.assert_allclose(
+            np.asarray(ours(y, probs)), np.asarray(theirs(y, probs)), rtol=1e-6
+        )
+    assert mirrored._train.objectives.get_metric("AUC", None).name == "auc"
+    with pytest.raises(ValueError, match="'auc'.*'precision'.*'recall'"):
+        mirrored._train.objectives.get_metric("f1", None)

@@ -56,16 +56,19 @@ class SparseCategoricalCrossentropy(Loss):
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
             y_true = y_true[..., 0]
-        if y_true.shape != y_pred.shape[:-1] or not jnp.issubdtype(y_true.dtype, jnp.integer):
+        if y_true.shape != y_pred.shape[:-1]:
             raise _shape_error(
                 self.name,
-                f"integer labels of shape {tuple(y_pred.shape[:-1])}",
+                f"class-index labels of shape {tuple(y_pred.shape[:-1])}",
                 y_true,
                 y_pred,
                 "pass class indices (not one-hot rows; for those use 'categorical_crossentropy').",
             )
-        logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
-        return per_example(optax.softmax_cross_entropy_with_integer_labels(logits, y_true))
+        labels = y_true.astype(jnp.int32)  # float class indices too, as Keras casts them
+        if self.from_logits:
+            return per_example(optax.softmax_cross_entropy_with_integer_labels(y_pred, labels))
+        log_probs = _log_probabilities(y_pred)
+        return per_example(-jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0])
 
 
 class CategoricalCrossentropy(Loss):
@@ -83,8 +86,16 @@ class CategoricalCrossentropy(Loss):
                 "one-hot encode the labels, or use 'sparse_categorical_crossentropy' for "
                 "class indices.",
             )
-        logits = y_pred if self.from_logits else jnp.log(jnp.clip(y_pred, _EPSILON, 1.0))
-        return per_example(optax.softmax_cross_entropy(logits, y_true))
+        if self.from_logits:
+            return per_example(optax.softmax_cross_entropy(y_pred, y_true))
+        return per_example(-jnp.sum(y_true * _log_probabilities(y_pred), axis=-1))
+
+
+def _log_probabilities(y_pred: Any) -> jax.Array:
+    """Keras' rule for probabilities: each row divided by its sum, then clipped to
+    [epsilon, 1 - epsilon], then the log (keras/src/backend/jax/nn.py)."""
+    probs = y_pred / jnp.sum(y_pred, axis=-1, keepdims=True)
+    return jnp.log(jnp.clip(probs, _EPSILON, 1.0 - _EPSILON))
 
 
 def _same_shape(name: str, y_true: Any, y_pred: Any) -> jax.Array:
@@ -269,6 +280,8 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
     if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
         return spec
     from_logits = getattr(loss, "from_logits", False)
+    if isinstance(spec, str) and spec.lower() in _STATEFUL:  # Keras takes "AUC" too
+        spec = spec.lower()
     if spec in _STATEFUL:
         # As "accuracy": with a from_logits=True loss the outputs are logits, so the names
         # score their sigmoid (Keras would threshold or bucket the logits themselves).
@@ -291,7 +304,8 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
         }
         if spec not in named:
             raise ValueError(
-                f"Expected a metric name from {sorted(['accuracy', *named])}; found {spec!r}. "
+                f"Expected a metric name from {sorted(['accuracy', *named, *_STATEFUL])}; "
+                f"found {spec!r}. "
                 "Fix: use one of those, or a callable (y_true, y_pred) -> per-example values."
             )
         return Metric(spec, named[spec], "up" if "accuracy" in spec else "down", named=True)
@@ -327,15 +341,22 @@ def check_labels(loss: Any, y_true: Any, y_pred_shape: tuple[int, ...]) -> None:
         not _sparse_loss(loss, y_true, y_pred_shape)
         or y_true.size == 0
         or not sparse_shape
-        or not np.issubdtype(y_true.dtype, np.integer)  # the loss itself says what it expects
+        or not np.issubdtype(y_true.dtype, np.number)
     ):
         return
+    if not np.issubdtype(y_true.dtype, np.integer) and not np.all(y_true == np.round(y_true)):
+        bad = y_true[y_true != np.round(y_true)].flat[0].item()
+        raise ValueError(
+            f"{loss.name} expected class indices (Keras casts float labels to int); found the "
+            f"label {bad!r} ({y_true.dtype}), which is no class. Fix: pass the class of each "
+            "example (0..classes-1), or use a regression loss ('mse') for such targets."
+        )
     classes = y_pred_shape[-1]
     low, high = y_true.min(), y_true.max()
     if low < 0 or high >= classes:
         bad = (low if low < 0 else high).item()
         raise ValueError(
-            f"{loss.name} expected integer class labels in [0, {classes}) for a model with "
+            f"{loss.name} expected class labels in [0, {classes}) for a model with "
             f"{classes} outputs; found label {bad!r} ({y_true.dtype}). Fix: give the model one "
             "output per class (the largest label + 1), or remap the labels to 0..classes-1."
         )
