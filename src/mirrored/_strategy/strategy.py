@@ -33,6 +33,17 @@ class StrategyMixError(RuntimeError, ValueError):
     """Entering one strategy's scope inside another's (TensorFlow raises RuntimeError)."""
 
 
+def _refuse_mixing(strategy: Any, what: str, fix: str) -> None:
+    """StrategyMixError when `what` `strategy` happens inside another strategy's scope."""
+    current = _context.entered_strategy()
+    if current is not None and current is not strategy:
+        raise StrategyMixError(
+            f"Expected {what} {strategy!r} outside any other strategy's scope; found it "
+            f"inside the scope of {current!r}. Mixing strategies would place state on two "
+            f"sets of devices.\nFix: {fix}, or use one strategy throughout."
+        )
+
+
 class _Scope:
     """What `strategy.scope()` returns: a context manager that may be entered again and again."""
 
@@ -44,14 +55,7 @@ class _Scope:
 
     def __enter__(self) -> Strategy:
         strategy = self._strategy
-        current = _context.entered_strategy()
-        if current is not None and current is not strategy:
-            raise StrategyMixError(
-                f"Expected to enter {strategy!r} outside any other strategy's scope; found it "
-                f"inside the scope of {current!r}. Mixing strategies would place state on two "
-                "sets of devices.\nFix: leave the first `with strategy.scope():` block before "
-                "entering the second, or use one strategy throughout."
-            )
+        _refuse_mixing(strategy, "to enter", "leave the first `with strategy.scope():` block")
         hooks.load_extensions()  # Keras imported since: mirror its variables too
         token = _context.push_scope(strategy)
         try:
@@ -194,14 +198,7 @@ class Strategy:
     def _outside_other_scopes(self, what: str) -> None:
         """Refuse `what` of this strategy inside another strategy's scope (TensorFlow's
         "Mixing different tf.distribute.Strategy objects"): its devices are not this one's."""
-        current = _context.entered_strategy()
-        if current is not None and current is not self:
-            raise StrategyMixError(
-                f"Expected {what} of {self!r} outside any other strategy's scope; found it "
-                f"inside the scope of {current!r}, whose devices are others.\nFix: call it "
-                "after leaving `with other.scope():` (or inside this strategy's scope), or use "
-                "one strategy throughout."
-            )
+        _refuse_mixing(self, f"{what} of", "call it after leaving `with other.scope():`")
 
     # -- the named surface the layers above use (not public API) -------------------------------
 
