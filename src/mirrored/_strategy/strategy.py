@@ -282,11 +282,12 @@ class Strategy:
                 "are bound per call of strategy.run). Fix: call strategy.run per step, or "
                 "use model.fit, whose steps_per_execution Keras handles."
             )
+        # `iter(dataset)` of in-memory arrays: K batches gathered at once.
         batches: Any = _epoch.ONE_AT_A_TIME
-        if isinstance(iterator, _epoch.Epoch):  # in-memory arrays: K batches gathered at once
+        if isinstance(iterator, _epoch.Epoch):
             batches = iterator.stacked(steps)
-            if batches is None:
-                return None  # the epoch has ended
+        if batches is None:
+            return None  # the epoch has ended
         if batches is _epoch.ONE_AT_A_TIME:
             batches = list(itertools.islice(iterator, 1))
             if not batches:

@@ -169,20 +169,3 @@ def _next_chunk(batches: Iterator[Any], size: int) -> Chunk:
     if chunk and isinstance(chunk[0], StackedBatches):
         return chunk[0]  # type: ignore[no-any-return]
     return [_batch_args(b) for b in itertools.chain(chunk, itertools.islice(batches, size - 1))]
-
-
-def one_shape(chunk: Chunk) -> bool:
-    """Whether `chunk`'s batches can share one K-step program: stacked already, or of one
-    shape and dtype (batches padded each to its own length are not)."""
-    if isinstance(chunk, StackedBatches):
-        return True
-    shapes = {
-        tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch, is_leaf=is_per_replica))
-        for batch in chunk
-    }
-    return len(shapes) == 1
-
-
-def _steps_of(chunk: Chunk) -> Iterator[Any]:
-    """`chunk` as `strategy.run_steps`' iterator: its batches, or its one stacked item."""
-    return iter([chunk] if isinstance(chunk, StackedBatches) else chunk)

@@ -22,14 +22,12 @@ from mirrored._train.batches import (
     _is_arrays,
     _Logs,
     _next_chunk,
-    _steps_of,
-    one_shape,
 )
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.resident import DeviceData
 from mirrored._train.resident import indices as _indices
-from mirrored._train.steps import _gathering, _plus_steps
+from mirrored._train.steps import _gathering, run_chunk
 
 logger = logging.getLogger("mirrored")
 
@@ -146,19 +144,16 @@ class Evaluation:
         while chunk := _next_chunk(batches, k):
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
-            if isinstance(chunk, list) and (k == 1 or not one_shape(chunk)):
-                for batch in chunk:  # never stacked at K = 1; or of different shapes
-                    totals = self.strategy.run(
-                        eval_step, args=(self.model, totals, self._stateful, *rows, *batch)
-                    )
-            else:
-                additions = self.strategy.run_steps(
-                    eval_additions,
-                    _steps_of(chunk),
-                    steps=len(chunk),
-                    args=(self.model, self._stateful, *rows),
-                )
-                totals = _plus_steps(totals, additions)
+            totals = run_chunk(
+                self.strategy,
+                k,
+                chunk,
+                eval_step,
+                eval_additions,
+                totals,
+                (self.model,),
+                (self._stateful, *rows),
+            )
             step += len(chunk)
             if per_step:
                 callbacks.on_test_batch_end(

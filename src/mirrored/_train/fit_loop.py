@@ -29,14 +29,12 @@ from mirrored._train.batches import (
     _is_arrays,
     _Logs,
     _next_chunk,
-    _steps_of,
-    one_shape,
     pass_position,
 )
 from mirrored._train.callbacks.base import Callback, History
 from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.resident import indices as _indices
-from mirrored._train.steps import _gathering, _plus_steps
+from mirrored._train.steps import _gathering, run_chunk
 
 logger = logging.getLogger("mirrored")
 
@@ -103,7 +101,7 @@ class FitLoop:
     _host_rows: Callable[..., Any]
     # The prediction shape of each input structure whose first batch was looked at.
     _predictions_seen: dict[Any, tuple[int, ...]]
-    # The training arrays last given to fit (`_identity`) and their copy on the devices.
+    # In-memory arrays on the devices, or None to read from the host (`Evaluation`'s).
     _resident: Callable[..., tuple[Any, ...] | None]
     # A checked step's non-finite values, found right after it (a callback that
     # `checks_numerics`, e.g. TerminateOnNaN, reads it at the batch's end); None if none.
@@ -366,22 +364,16 @@ class FitLoop:
         if data is not None:
             train_step, additions_step = _gathering(train_step), _gathering(additions_step)
             rows = (data,)
-        if self.steps_per_execution == 1 or not one_shape(chunk):
-            # One batch, or batches of different shapes (padded each to its own length, as
-            # Keras' steps run them): one program per batch.
-            for batch in chunk:  # type: ignore[union-attr]  # a list: never stacked
-                self._train_totals = self.strategy.run(
-                    train_step,
-                    args=(*state, self._train_totals, self._stateful, self.rngs, *rows, *batch),
-                )
-            return
-        additions = self.strategy.run_steps(
+        self._train_totals = run_chunk(
+            self.strategy,
+            self.steps_per_execution,
+            chunk,
+            train_step,
             additions_step,
-            _steps_of(chunk),
-            steps=len(chunk),
-            args=(*state, self._stateful, self.rngs, *rows),
+            self._train_totals,
+            state,
+            (self._stateful, self.rngs, *rows),
         )
-        self._train_totals = _plus_steps(self._train_totals, additions)
 
     def _check_first_batch(self, batch: Any, all_labels: Any) -> None:
         """Keras' silent traps, on the first batch: logits given to a loss expecting

@@ -14,11 +14,12 @@ from flax import nnx
 
 from mirrored._core import context as _context
 from mirrored._core.global_rows import first_replica, is_per_example, on_global_rows
-from mirrored._core.values import PerReplica
+from mirrored._core.values import PerReplica, StackedBatches, is_per_replica
 from mirrored._optim.mixed_precision import LossScaleOptimizer
 from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
 from mirrored._train import objectives as _objectives
+from mirrored._train.batches import Chunk
 
 logger = logging.getLogger("mirrored")
 
@@ -173,6 +174,39 @@ def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
 
     gathered.__name__ = getattr(step, "__name__", "train_step")
     return gathered
+
+
+def run_chunk(
+    strategy: Any,
+    steps_per_execution: int,
+    chunk: Chunk,
+    step: Callable[..., Any],
+    additions: Callable[..., Any],
+    totals: PerReplica,
+    before: tuple[Any, ...],
+    after: tuple[Any, ...],
+) -> PerReplica:
+    """The running sums `totals` after the batches of `chunk`: `step(*before, totals,
+    *after, *batch)` one program per batch (one step per execution, or batches of different
+    shapes: padded each to its own length, as Keras' steps run them), else all in one
+    program of `additions(*before, *after, batch)` (`strategy.run_steps`)."""
+    if isinstance(chunk, list) and (steps_per_execution == 1 or not _one_shape(chunk)):
+        for batch in chunk:
+            totals = strategy.run(step, args=(*before, totals, *after, *batch))
+        return totals
+    batches = iter([chunk] if isinstance(chunk, StackedBatches) else chunk)
+    added = strategy.run_steps(additions, batches, steps=len(chunk), args=(*before, *after))
+    return _plus_steps(totals, added)
+
+
+def _one_shape(chunk: list[tuple[Any, ...]]) -> bool:
+    """Whether `chunk`'s batches can share one K-step program: of one shape and dtype
+    (batches padded each to its own length are not)."""
+    shapes = {
+        tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch, is_leaf=is_per_replica))
+        for batch in chunk
+    }
+    return len(shapes) == 1
 
 
 def _plus_steps(totals: PerReplica, additions: PerReplica) -> PerReplica:

@@ -49,7 +49,7 @@ class _Entry:
     objects: list[Any]
     step: KerasStep | None  # None: the step reaches no Keras state
     # (namespace, name, object) of the objects reached as module globals: still the same?
-    bound: list[tuple[dict[str, Any], str, Any]] = dataclasses.field(default_factory=list)
+    bound: list[tuple[dict[str, Any], str, Any]]
 
 
 def _captured_objects(
@@ -73,9 +73,14 @@ def _argument_objects(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     return found
 
 
-def _entry(runner: Any, fn: Callable[..., Any], objects: list[Any]) -> _Entry:
+def _entry(
+    runner: Any,
+    fn: Callable[..., Any],
+    objects: list[Any],
+    bound: list[tuple[dict[str, Any], str, Any]],
+) -> _Entry:
     if not objects:
-        return _Entry(objects, None)
+        return _Entry(objects, None, bound)
     variables = _bridge.variables_of(objects)  # none yet: a model built by its first call
     strategy = runner.strategy
     for v in variables:
@@ -93,7 +98,7 @@ def _entry(runner: Any, fn: Callable[..., Any], objects: list[Any]) -> _Entry:
                 f"(strategy: {strategy!r})"
             )
     kinds = _bridge.slot_kinds(objects, variables)
-    return _Entry(objects, KerasStep(fn, _bridge.Bridge(variables, kinds), objects))
+    return _Entry(objects, KerasStep(fn, _bridge.Bridge(variables, kinds), objects), bound)
 
 
 def _initialize_created(runner: Any) -> None:
@@ -117,8 +122,7 @@ def _lookup(
     if entry is None or any(ns.get(name) is not obj for ns, name, obj in entry.bound):
         bound: list[tuple[dict[str, Any], str, Any]] = []
         objects = _captured_objects(undecorated(fn), bound) + from_args
-        entry = cache[key] = _entry(runner, fn, objects)
-        entry.bound = bound
+        entry = cache[key] = _entry(runner, fn, objects, bound)
     return key, cache, entry
 
 
@@ -142,9 +146,7 @@ def _after_lazy_builds(
             if tries == 2:
                 raise
             _initialize_created(runner)
-            bound = entry.bound
-            entry = cache[key] = _entry(runner, fn, entry.objects)
-            entry.bound = bound
+            entry = cache[key] = _entry(runner, fn, entry.objects, entry.bound)
     raise AssertionError("unreachable")
 
 

@@ -15,7 +15,7 @@ from mirrored._cluster import preemption
 from mirrored._core import coordination as _coordination
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
-from mirrored._train.callbacks.monitoring import _improved, _monitored
+from mirrored._train.callbacks.monitoring import _improved, _improved_for, _monitored
 
 logger = logging.getLogger("mirrored")
 
@@ -69,8 +69,7 @@ class ModelCheckpoint(Callback):
         self.best: float | None = None
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
-        directions = getattr(self.trainer, "_directions", None)
-        self._better = _improved(self.mode, self.monitor, directions, "ModelCheckpoint")
+        self._better = _improved_for(self, "ModelCheckpoint")
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
         if self.save_best_only:

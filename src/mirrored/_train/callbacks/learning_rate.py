@@ -11,7 +11,12 @@ import numpy as np
 
 from mirrored._optim import learning_rate as _learning_rate
 from mirrored._train.callbacks.base import Callback
-from mirrored._train.callbacks.monitoring import _chief_print, _improved, _monitored
+from mirrored._train.callbacks.monitoring import (
+    _chief_print,
+    _improved,
+    _improved_for,
+    _monitored,
+)
 
 logger = logging.getLogger("mirrored")
 
@@ -129,8 +134,7 @@ class ReduceLROnPlateau(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        directions = getattr(getattr(self, "trainer", None), "_directions", None)
-        if _improved(self.mode, self.monitor, directions, "ReduceLROnPlateau") is np.less:
+        if _improved_for(self, "ReduceLROnPlateau") is np.less:
             self.monitor_op = lambda a, b: np.less(a, b - self.min_delta)
             self.best = np.inf
         else:

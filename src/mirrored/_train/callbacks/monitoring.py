@@ -46,6 +46,13 @@ def _improved(
     return np.greater if mode == "max" else np.less
 
 
+def _improved_for(callback: Any, who: str) -> Any:
+    """`_improved` of `callback`'s mode and monitor, with its trainer's metric directions
+    (none before the callback is given a trainer)."""
+    directions = getattr(getattr(callback, "trainer", None), "_directions", None)
+    return _improved(callback.mode, callback.monitor, directions, who)
+
+
 def _monitored(logs: Mapping[str, float] | None, monitor: str, who: str) -> float | None:
     value = (logs or {}).get(monitor)
     if value is None:
@@ -95,8 +102,7 @@ class EarlyStopping(Callback):
         return bool(self._better(value + self._sign * self.min_delta, reference))
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
-        directions = getattr(self.trainer, "_directions", None)
-        self._better = _improved(self.mode, self.monitor, directions, "EarlyStopping")
+        self._better = _improved_for(self, "EarlyStopping")
         self._sign = 1.0 if self._better is np.less else -1.0
         self.wait = 0
         self.stopped_epoch = 0
