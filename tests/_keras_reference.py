@@ -167,7 +167,7 @@ def per_token():
 def hunt():
     """Every Keras loss (called on a ragged batch of 37, with and without sample weights) and
     every metric (compiled by string and by object; evaluate at batch 16: 16, 16 and 5)."""
-    out = {"losses": {}, "metrics": {}}
+    out = {"losses": {}, "metrics": {}, "updated": {}}
     for family, (labels, predictions, _, _) in m.HUNT_DATA.items():
         for name in m.HUNT_LOSSES[family] + m.HUNT_LOSS_STRINGS[family]:
             loss = m.hunt_loss(name)
@@ -180,7 +180,22 @@ def hunt():
             out["metrics"][f"{family}/{kind}"] = model.evaluate(
                 m.HUNT_X, labels, batch_size=16, verbose=0, return_dict=True
             )
+        for name, options in m.HUNT_METRICS[family]:  # on the predictions, batches of 16
+            out["updated"][f"{family}/{name}"] = [
+                updated(getattr(keras.metrics, name)(**options), labels, predictions, weights)
+                for weights in (None, m.HUNT_WEIGHTS)
+            ]
     return out
+
+
+def updated(metric, labels, predictions, weights):
+    """A metric's result after updates with batches of 16 (16, 16 and 5 rows)."""
+    for start in range(0, len(labels), 16):
+        rows = slice(start, start + 16)
+        metric.update_state(
+            labels[rows], predictions[rows], None if weights is None else weights[rows]
+        )
+    return metric.result()
 
 
 def references():

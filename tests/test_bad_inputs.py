@@ -101,6 +101,12 @@ def _trainer(**kwargs):
     return make
 
 
+def _keras_loss(**options):
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **options)
+
+
 def _fit(**kwargs):
     def call(env):
         arguments = {"x": X, "y": Y, "verbose": 0, **kwargs}
@@ -313,6 +319,12 @@ CASES = [
     ("trainer-rngs-int", _trainer(rngs=3), T, ["rngs", "nnx.Rngs"]),
     ("trainer-policy-unknown", _trainer(policy="float8"), V, ["policy", "'float8'"]),
     ("trainer-duplicate-metric-names", _trainer(metrics=["accuracy", "accuracy"]), V, ["distinct"]),
+    (
+        "trainer-keras-loss-reduction-none",
+        lambda env: _trainer(loss=_keras_loss(reduction="none"))(env),
+        V,
+        ["one number", "reduction='none'", "sum_over_batch_size"],
+    ),
     # -- callbacks -----------------------------------------------------------------------------
     (
         "modelcheckpoint-empty",

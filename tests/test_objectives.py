@@ -298,3 +298,170 @@ def test_every_keras_loss_and_metric_equals_one_device_on_a_ragged_batch(plain, 
                 if logs[metric] != pytest.approx(value, rel=2e-5, abs=1e-6):
                     mismatched[f"{family}/{kind}/{metric}"] = (logs[metric], value)
     assert set(mismatched) == set(HUNT_CANNOT_MATCH), mismatched
+
+
+# -- Keras loss and metric objects given to mirrored.Trainer -------------------------------------
+
+
+class _Outputs(nnx.Module):
+    """A model whose outputs are its inputs: a loss or metric sees the test's predictions."""
+
+    def __init__(self):
+        self.unused = nnx.Param(jnp.zeros(()))
+
+    def __call__(self, x):
+        return x + self.unused
+
+
+_TRAINER_LOSS = {
+    "regression": "mse",
+    "binary": "binary_crossentropy",
+    "categorical": "categorical_crossentropy",
+    "sparse": "sparse_categorical_crossentropy",
+}
+
+
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")  # Keras' Circle loss
+def test_keras_loss_objects_in_the_trainer_equal_keras(plain, devices):
+    """Every keras.losses class as `Trainer(loss=...)`: evaluate on one ragged global batch of
+    37 (8 replicas, 3 rows padded), with and without sample weights, gives Keras' call on
+    the 37 rows. Before: a weighted loss was Keras' unweighted mean times the mean weight,
+    and `reduction='sum'` or `ignore_class` gave other numbers, silently."""
+    from _keras_models import HUNT_DATA, HUNT_LOSSES, HUNT_WEIGHTS
+
+    strategy = mirrored.MirroredStrategy(devices)
+    mismatched = {}
+    for family, (labels, predictions, _, _) in HUNT_DATA.items():
+        for name in HUNT_LOSSES[family]:
+            with strategy.scope():
+                trainer = mirrored.Trainer(
+                    _Outputs(), optax.sgd(0.1), loss=getattr(keras.losses, name)()
+                )
+            options = {"batch_size": len(labels), "verbose": 0}
+            ours = [
+                trainer.evaluate(predictions, labels, **options)["loss"],
+                trainer.evaluate(predictions, labels, sample_weight=HUNT_WEIGHTS, **options)[
+                    "loss"
+                ],
+            ]
+            theirs = plain["hunt"]["losses"][f"{family}/{name}"]
+            if ours != pytest.approx(theirs, rel=2e-5, abs=1e-6):
+                mismatched[f"{family}/{name}"] = (ours, theirs)
+    assert set(mismatched) == set(HUNT_CANNOT_MATCH), mismatched
+
+
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")  # Keras' IoU metrics
+@pytest.mark.filterwarnings("ignore:You are passing weight as `float`")  # IoU, weighted
+def test_keras_metric_objects_in_the_trainer_equal_keras(plain, devices):
+    """Every keras.metrics class as `Trainer(metrics=[...])` and `weighted_metrics=[...]`:
+    evaluate at batch 16 (16, 16 and a ragged 5 over 8 replicas) gives Keras' result after
+    the same updates, per-class arrays (F1Score) included. Before: UnexpectedTracerError (the
+    Keras object's own variables were updated inside the step)."""
+    from _keras_models import HUNT_DATA, HUNT_METRICS, HUNT_WEIGHTS
+
+    strategy = mirrored.MirroredStrategy(devices)
+    mismatched = {}
+    for family, (labels, predictions, _, _) in HUNT_DATA.items():
+        for weighted in (False, True):
+            objects = [getattr(keras.metrics, n)(**o) for n, o in HUNT_METRICS[family]]
+            kind = "weighted_metrics" if weighted else "metrics"
+            with strategy.scope():
+                trainer = mirrored.Trainer(
+                    _Outputs(), optax.sgd(0.1), loss=_TRAINER_LOSS[family], **{kind: objects}
+                )
+            logs = trainer.evaluate(
+                predictions,
+                labels,
+                sample_weight=HUNT_WEIGHTS if weighted else None,
+                batch_size=16,
+                verbose=0,
+            )
+            for (name, _), metric in zip(HUNT_METRICS[family], objects, strict=True):
+                theirs = plain["hunt"]["updated"][f"{family}/{name}"][int(weighted)]
+                if not np.allclose(logs[metric.name], theirs, rtol=2e-5, atol=1e-6):
+                    mismatched[f"{family}/{name}/{kind}"] = (logs[metric.name], theirs)
+    assert not mismatched
+
+
+def _keras_fit(loss, metric, devices, x, y, w):
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        trainer = mirrored.Trainer(_Small(nnx.Rngs(3)), optax.sgd(0.5), loss=loss, metrics=[metric])
+    options = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    history = trainer.fit(x, y, sample_weight=w, **options).history
+    return nnx.state(trainer.model, nnx.Param), history
+
+
+class _Small(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(6, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+@pytest.mark.parametrize("ignore_class", [None, 2])
+def test_fit_with_a_keras_loss_and_metric_equals_one_device_without_mirrored(devices, ignore_class):
+    """`fit` with a Keras loss object (weighted, `ignore_class`: a masked mean of the batch)
+    and a stateful Keras metric, 50 rows at batch 16 (a ragged 2 last), 8 replicas: the
+    weights and the history of a plain NNX loop on one device calling the same Keras loss."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(50, 6)).astype(np.float32)
+    y = rng.integers(0, 5, 50).astype(np.int32)
+    w = rng.uniform(0.2, 2.0, 50).astype(np.float32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=ignore_class)
+    params, history = _keras_fit(
+        loss, keras.metrics.SparseTopKCategoricalAccuracy(k=2), devices, x, y, w
+    )
+
+    model = _Small(nnx.Rngs(3))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    step = nnx.jit(
+        lambda model, optimizer, x, y, w: optimizer.update(
+            model, nnx.grad(lambda m: loss(y, m(x), sample_weight=w))(model)
+        )
+    )
+    losses = []
+    for _ in range(2):
+        total = 0.0
+        for start in range(0, 50, 16):
+            rows = slice(start, start + 16)
+            total += float(loss(y[rows], model(x[rows]), sample_weight=w[rows])) * len(y[rows])
+            step(model, optimizer, x[rows], y[rows], w[rows])
+        losses.append(total / 50)
+    assert history["loss"] == pytest.approx(losses, rel=1e-5)
+    expected = nnx.state(model, nnx.Param)
+    for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-6)
+
+
+def test_keras_loss_objects_are_checked_as_keras_names_are(caplog):
+    """A reduction that gives no number is refused; a Keras crossentropy of probabilities
+    fed logits warns; sparse labels outside the classes are refused; "accuracy" under a
+    `from_logits=True` Keras loss thresholds the logits at 0."""
+    with pytest.raises(ValueError, match="reduce each batch to one number.*reduction='none'"):
+        mirrored.Trainer(
+            _Small(nnx.Rngs(0)),
+            optax.sgd(0.1),
+            loss=keras.losses.MeanSquaredError(reduction="none"),
+        )
+    x = np.random.default_rng(0).normal(size=(20, 6)).astype(np.float32) * 10
+    y = np.arange(20, dtype=np.int32) % 5
+    trainer = mirrored.Trainer(
+        _Small(nnx.Rngs(0)), optax.sgd(0.1), loss=keras.losses.SparseCategoricalCrossentropy()
+    )
+    with caplog.at_level("WARNING", logger="mirrored"):
+        trainer.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    assert "look like logits" in caplog.text
+    with pytest.raises(ValueError, match=r"class labels in \[0, 5\).*found label 7"):
+        trainer.fit(x, np.where(y == 4, 7, y), batch_size=10, epochs=1, verbose=0)
+    binary = mirrored.Trainer(
+        _Outputs(),
+        optax.sgd(0.1),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    logits = np.array([[-2.0], [-0.5], [0.3], [4.0]], np.float32)
+    labels = np.array([[0.0], [1.0], [1.0], [1.0]], np.float32)
+    assert binary.evaluate(logits, labels, verbose=0)["accuracy"] == 0.75

@@ -382,7 +382,7 @@ class FitLoop:
         The predictions are looked at once per input structure (the first `fit` with it: a
         predict and a wait for its result); later calls check their labels against the
         prediction shape seen then, without a step or a wait."""
-        if not isinstance(self.loss, _objectives.CROSSENTROPIES):
+        if not _objectives.is_crossentropy(self.loss):
             return
         args = _batch_args(batch)
         if len(args) < 2:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mirrored._train import keras_objectives as _keras
 from mirrored._train import metrics as _metrics
 
 _EPSILON = 1e-7
@@ -188,6 +189,8 @@ def get_loss(spec: str | Loss | Callable[[Any, Any], Any], *, from_logits: bool 
                 "losses."
             )
         return _LOSSES[spec](from_logits=from_logits)
+    if _keras.is_keras_loss(spec):  # weighted and reduced as Keras does
+        return _keras.KerasLoss(spec)
     if callable(spec):
         return spec
     raise TypeError(
@@ -279,6 +282,11 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
         return Metric(spec.name, functools.partial(spec._fn, **spec._fn_kwargs), spec.direction)
     if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
         return spec
+    if _keras.is_keras_metric(spec):
+        if hasattr(spec, "_fn"):  # Keras' MeanMetricWrapper: its function, per example
+            values = functools.partial(spec._fn, **spec._fn_kwargs)
+            return Metric(spec.name, values, getattr(spec, "_direction", None))
+        return _keras.KerasMetric(spec)  # AUC, F1Score, MeanIoU...: Keras' state, summed
     from_logits = getattr(loss, "from_logits", False)
     if isinstance(spec, str) and spec.lower() in _STATEFUL:  # Keras takes "AUC" too
         spec = spec.lower()
@@ -324,9 +332,26 @@ CROSSENTROPIES = (
 )
 
 
+_KERAS_CROSSENTROPIES = (
+    "SparseCategoricalCrossentropy",
+    "CategoricalCrossentropy",
+    "BinaryCrossentropy",
+)
+
+
+def is_crossentropy(loss: Any) -> bool:
+    """Whether `loss` is a crossentropy of Keras' names or classes (its labels and outputs
+    are checked on the first batch)."""
+    if isinstance(loss, _keras.KerasLoss):
+        return loss.kind in _KERAS_CROSSENTROPIES
+    return isinstance(loss, CROSSENTROPIES)
+
+
 def _sparse_loss(loss: Any, y_true: np.ndarray, y_pred_shape: tuple[int, ...]) -> bool:
     if isinstance(loss, SparseCategoricalCrossentropy):
         return True
+    if isinstance(loss, _keras.KerasLoss):  # labels outside the classes may be ignore_class
+        return loss.kind == "SparseCategoricalCrossentropy" and not loss.masks
     if isinstance(loss, Crossentropy):  # Keras' shape rule, on the shapes alone
         y_pred = jax.ShapeDtypeStruct(y_pred_shape, np.float32)
         return not _is_binary(y_true, y_pred) and _is_sparse(y_true, y_pred)
@@ -367,15 +392,16 @@ def logits_warning(loss: Any, y_pred: Any) -> str | None:
 
     Keras' `from_logits=False` default silently clips logits into (0, 1) and trains badly.
     """
-    if not isinstance(loss, CROSSENTROPIES) or loss.from_logits:
+    if not is_crossentropy(loss) or loss.from_logits:
         return None
+    binary = isinstance(loss, BinaryCrossentropy) or getattr(loss, "kind", "").startswith("Binary")
     y_pred = np.asarray(y_pred, np.float64)
     if y_pred.size == 0:
         return None
     problem = None
     if y_pred.min() < 0 or y_pred.max() > 1:
         problem = f"values from {y_pred.min():.3g} to {y_pred.max():.3g}, outside [0, 1]"
-    elif y_pred.shape[-1] > 1 and not isinstance(loss, BinaryCrossentropy):
+    elif y_pred.shape[-1] > 1 and not binary:
         sums = y_pred.sum(axis=-1)
         if np.abs(sums - 1).max() > 1e-3:
             problem = f"rows summing to {sums.min():.3g}..{sums.max():.3g}, not 1"

@@ -20,6 +20,7 @@ from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
 from mirrored._train import objectives as _objectives
 from mirrored._train.batches import Chunk
+from mirrored._train.keras_objectives import KerasLoss, KerasMetric, MetricNotBuilt
 
 logger = logging.getLogger("mirrored")
 
@@ -189,7 +190,30 @@ def run_chunk(
     """The running sums `totals` after the batches of `chunk`: `step(*before, totals,
     *after, *batch)` one program per batch (one step per execution, or batches of different
     shapes: padded each to its own length, as Keras' steps run them), else all in one
-    program of `additions(*before, *after, batch)` (`strategy.run_steps`)."""
+    program of `additions(*before, *after, batch)` (`strategy.run_steps`). A Keras metric
+    sized by the data is built when the first trace meets it, before anything runs."""
+    try:
+        return _run_chunk(
+            strategy, steps_per_execution, chunk, step, additions, totals, before, after
+        )
+    except MetricNotBuilt as unbuilt:
+        with strategy.scope():  # its sums mirrored, as every metric's
+            for _, node in nnx.iter_graph(after):  # the caller's metric (raised: a traced copy)
+                if isinstance(node, KerasMetric) and node._keras is unbuilt.keras:
+                    node.build(unbuilt.y_true, unbuilt.y_pred)
+    return run_chunk(strategy, steps_per_execution, chunk, step, additions, totals, before, after)
+
+
+def _run_chunk(
+    strategy: Any,
+    steps_per_execution: int,
+    chunk: Chunk,
+    step: Callable[..., Any],
+    additions: Callable[..., Any],
+    totals: PerReplica,
+    before: tuple[Any, ...],
+    after: tuple[Any, ...],
+) -> PerReplica:
     if isinstance(chunk, list) and (steps_per_execution == 1 or not _one_shape(chunk)):
         for batch in chunk:
             totals = strategy.run(step, args=(*before, totals, *after, *batch))
@@ -280,9 +304,12 @@ def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
     """(this replica's share of the batch's loss, the loss for the running sums): per-example
     losses averaged over the global batch's real rows; a loss that gives one number for the
     batch (Dice, a function that takes the mean itself) evaluated once on the global batch,
-    times the mean sample weight (Keras broadcasts such a number to the weights)."""
+    times the mean sample weight (Keras broadcasts such a number to the weights). A Keras loss
+    object weighs and reduces as Keras does (`KerasLoss`)."""
     if isinstance(loss_fn, _objectives.Loss):
         _one_output(y_pred, f"loss={loss_fn.name!r}")
+    if isinstance(loss_fn, KerasLoss):  # Keras' own weighting and reduction
+        return loss_fn.terms(y, y_pred, w)
     values = loss_fn(y, y_pred)
     if is_per_example(values, _rows(y_pred)):
         per_example = _objectives.per_example(values)

@@ -320,17 +320,19 @@ class Trainer(FitLoop, Evaluation):
         with peer_failures():  # the first read after a worker died surfaces here
             return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
 
-    def _read(self, totals: Any, prefix: str = "") -> dict[str, float]:
+    def _read(self, totals: Any, prefix: str = "") -> dict[str, Any]:
         self.strategy._check_pending()  # check_numerics: the steps behind these sums
         sums = self._sums(totals)
         names = len(self._names)
         count, denominators = sums[names], sums[names + 2 :]
-        logs = {
+        logs: dict[str, Any] = {
             prefix + name: _ratio(value, count if i == 0 else denominators[i - 1])
             for i, (name, value) in enumerate(zip(self._names, sums[:names], strict=True))
         }
         for name, metric in zip(self._stateful_names, self._stateful, strict=True):
-            logs[prefix + name] = float(np.asarray(to_host(metric.result())).reshape(-1)[0])
+            result = np.asarray(to_host(metric.result()), np.float64)
+            # One number, or Keras' array of several (F1Score per class, a list of thresholds)
+            logs[prefix + name] = float(result.reshape(-1)[0]) if result.size == 1 else result
         return logs
 
     def _reset_metrics(self) -> None:

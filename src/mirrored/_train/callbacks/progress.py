@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
@@ -15,9 +16,18 @@ from mirrored._train.callbacks.base import Callback
 logger = logging.getLogger("mirrored")
 
 
-def _format(logs: Mapping[str, float]) -> str:
-    # Keras' progress bar (utils/progbar.py): 4 decimals above 1e-3, else scientific.
-    return "  ".join(f"{k} {v:.4f}" if v > 1e-3 else f"{k} {v:.4e}" for k, v in logs.items())
+def _format(logs: Mapping[str, Any]) -> str:
+    # Keras' progress bar (utils/progbar.py): 4 decimals above 1e-3, else scientific; a
+    # metric of several values (F1Score per class) shows them all.
+    def number(v: float) -> str:
+        return f"{v:.4f}" if v > 1e-3 else f"{v:.4e}"
+
+    def shown(v: Any) -> str:
+        if np.ndim(v):
+            return "[" + " ".join(number(float(x)) for x in np.ravel(v)) + "]"
+        return number(v)
+
+    return "  ".join(f"{k} {shown(v)}" for k, v in logs.items())
 
 
 class ProgbarLogger(Callback):

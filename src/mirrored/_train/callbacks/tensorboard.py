@@ -133,8 +133,8 @@ class TensorBoard(Callback):
         if not _checkpoint.is_chief():
             return
         writer = self._writer("train")
-        for name, value in values.items():
-            writer.scalar(f"batch_{name}", float(value), self._global_batch)
+        for name, value in _scalars(values).items():
+            writer.scalar(f"batch_{name}", value, self._global_batch)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
         histogram = bool(self.histogram_freq) and epoch % self.histogram_freq == 0
@@ -147,8 +147,8 @@ class TensorBoard(Callback):
         if self._log_rate:
             train.setdefault(_learning_rate.NAME, self.trainer.learning_rate)
         for split, values in (("train", train), ("validation", validation)):
-            for name, value in values.items():
-                self._writer(split).scalar(f"epoch_{name}", float(value), epoch)
+            for name, value in _scalars(values).items():
+                self._writer(split).scalar(f"epoch_{name}", value, epoch)
         for name, weight in weights.items():
             self._writer("train").histogram(f"{name}/histogram", weight, epoch)
         for writer in self._writers.values():
@@ -205,3 +205,15 @@ def _profile_range(profile_batch: Any) -> tuple[int, int] | None:
             "profile_batch=5 or profile_batch=(10, 15); 0 profiles none."
         )
     return None if value[0] == 0 else (value[0], value[1])
+
+
+def _scalars(logs: dict[str, Any]) -> dict[str, float]:
+    """Scalar logs as they are; a metric of several values (F1Score per class) as one scalar
+    per value, `name/0`, `name/1`...: an event file's scalars are numbers."""
+    out = {}
+    for name, value in logs.items():
+        if np.ndim(value):
+            out.update({f"{name}/{i}": float(v) for i, v in enumerate(np.ravel(value))})
+        else:
+            out[name] = float(value)
+    return out

@@ -1,0 +1,167 @@
+"""Keras loss and metric objects given to the Trainer (`loss=keras.losses.Huber()`,
+`metrics=[keras.metrics.AUC()]`), with the numbers Keras gives on one device.
+
+Nothing here imports Keras unless such an object was given (then Keras is imported already).
+A loss object is called as Keras calls it, with the sample weights, through mirrored's Keras
+adapter (each replica's share of the global batch's loss). A metric object keeps Keras' state
+as mirrored running sums that every replica adds its real rows to (Keras' stateless API), or,
+for a `MeanMetricWrapper` (the accuracies, `PearsonCorrelation`), is its function per example.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mirrored._core import context as _context
+from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._train import metrics as _metrics
+
+
+def _is_keras(value: Any, base: str) -> bool:
+    """Whether `value` is an instance of Keras' class `base` (`Loss`, `Metric`), without
+    importing Keras."""
+    return any(
+        cls.__name__ == base and cls.__module__.startswith("keras.") for cls in type(value).__mro__
+    )
+
+
+def is_keras_loss(value: Any) -> bool:
+    return _is_keras(value, "Loss")
+
+
+def is_keras_metric(value: Any) -> bool:
+    return _is_keras(value, "Metric")
+
+
+class KerasLoss:
+    """A `keras.losses.Loss` object as the Trainer's loss: Keras' numbers, weights included.
+
+    Called inside a step on a split batch, a Keras loss gives this replica's share of the
+    global batch's loss (mirrored's Keras adapter, `mirrored.keras`): masks, `ignore_class`,
+    every reduction and a `call` that reduces the batch itself included. Summed over the
+    replicas, as the gradients of mirrored parameters are, it is Keras' loss on one device.
+    """
+
+    def __init__(self, loss: Any) -> None:
+        if "mirrored.keras" not in sys.modules:  # Keras on another backend: no adapter
+            raise ValueError(
+                f"Expected a Keras loss of Keras' JAX backend; found {loss!r} while Keras "
+                "runs on another backend, whose losses JAX cannot trace. Fix: set "
+                "KERAS_BACKEND=jax before the first `import keras`, or use mirrored.losses."
+            )
+        if loss.reduction in (None, "none"):
+            raise ValueError(
+                f"Expected the loss {loss.name!r} to reduce each batch to one number, as "
+                f"Keras' fit needs; found reduction={loss.reduction!r}. Fix: leave reduction "
+                "at Keras' default 'sum_over_batch_size' (or 'sum' / 'mean_with_sample_weight')."
+            )
+        self.keras = loss
+        self.name = loss.name
+        kwargs = getattr(loss, "_fn_kwargs", {})
+        self.from_logits = bool(getattr(loss, "from_logits", kwargs.get("from_logits", False)))
+        self.kind = type(loss).__name__  # the logits warning and label checks read it
+        self.masks = kwargs.get("ignore_class") is not None
+
+    def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any]:
+        """(this replica's share, the global batch's loss): Keras' call with the weights."""
+        share = self.keras(y_true, y_pred, sample_weight=sample_weight)
+        ctx = _context.current_replica_context()
+        if ctx is None or not ctx.in_spmd or not ctx.batch_is_split:
+            return share, share
+        return share, jax.lax.psum(share, REPLICA_AXIS)
+
+    def __call__(self, y_true: Any, y_pred: Any) -> Any:
+        return self.keras(y_true, y_pred)
+
+    def __repr__(self) -> str:
+        return f"KerasLoss({self.keras!r})"
+
+
+class KerasMetric(_metrics.Metric):
+    """A stateful `keras.metrics.Metric` (AUC, F1Score, MeanIoU, RootMeanSquaredError, your
+    own): its variables as mirrored running sums that every replica adds its real rows to.
+
+    Keras' metrics keep sums (counts, totals, confusion matrices), so the replicas' additions
+    sum to the global batch's. The Keras object's own variables are not touched: read the
+    result from the Trainer's logs.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        super().__init__(metric.name, jnp.float32)
+        self._keras = metric
+        self.direction = getattr(metric, "_direction", None)
+        self._names: tuple[str, ...] = ()
+        if _built(metric):
+            self._add_states()
+
+    def _add_states(self) -> None:
+        self._names = tuple(f"state_{i}" for i in range(len(self._keras.variables)))
+        for name, variable in zip(self._names, self._keras.variables, strict=True):
+            setattr(self, name, self.add_variable(variable.shape, variable.dtype))
+
+    def build(self, y_true: jax.ShapeDtypeStruct, y_pred: jax.ShapeDtypeStruct) -> None:
+        """Create Keras' variables for these labels and predictions (F1Score, R2Score and
+        AUC(multi_label=True) size them by the data), then the mirrored sums beside them."""
+        with jax.ensure_compile_time_eval():
+            self._keras.update_state(
+                jnp.zeros((1, *y_true.shape[1:]), y_true.dtype),
+                jnp.zeros((1, *y_pred.shape[1:]), y_pred.dtype),
+            )
+            self._keras.reset_state()
+        self._add_states()
+
+    def _values(self) -> list[Any]:
+        return [getattr(self, name)[...] for name in self._names]
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        _metrics.check_rows(self.name, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
+        if not self._names:  # sized by the data: built before the step is traced again
+            raise MetricNotBuilt(self, _spec(y_true), _spec(y_pred))
+        weight = _real_row_weights(jax.tree.leaves(y_pred)[0], sample_weight)
+        options = {} if weight is None else {"sample_weight": weight}
+        new = self._keras.stateless_update_state(self._values(), y_true, y_pred, **options)
+        for name, value in zip(self._names, new, strict=True):
+            getattr(self, name)[...] = value
+
+    def result(self) -> jax.Array:
+        return self._keras.stateless_result(self._values())
+
+    def __repr__(self) -> str:
+        return f"KerasMetric({self._keras!r})"
+
+
+class MetricNotBuilt(Exception):
+    """Raised while a step is traced: a Keras metric sized by the data (F1Score) met its first
+    batch; `steps.run_chunk` builds it for these shapes and traces the step again."""
+
+    def __init__(self, metric: KerasMetric, y_true: Any, y_pred: Any) -> None:
+        super().__init__(f"{metric.name} is built on its first batch")
+        self.keras, self.y_true, self.y_pred = metric._keras, y_true, y_pred
+
+
+def _built(metric: Any) -> bool:
+    """Whether a Keras metric has its variables (F1Score, R2Score, AUC(multi_label=True)
+    create them on the first batch)."""
+    return getattr(metric, "_built", True) is not False and bool(metric.variables)
+
+
+def _spec(value: Any) -> jax.ShapeDtypeStruct:
+    value = jax.tree.leaves(value)[0]
+    return jax.ShapeDtypeStruct(tuple(value.shape), value.dtype)
+
+
+def _real_row_weights(y_pred: Any, sample_weight: Any) -> Any:
+    """The sample weights with a padded batch's padded rows at 0 (whatever the weights' rank),
+    or the 0/1 row mask (int32, which every Keras metric casts to its dtype) without them."""
+    mask = _context.row_mask(y_pred)
+    if mask is None:
+        return sample_weight
+    if sample_weight is None:
+        return mask.astype(jnp.int32)
+    weight = jnp.asarray(sample_weight, jnp.float32)
+    mask = mask.astype(jnp.float32)
+    return weight * mask.reshape(mask.shape + (1,) * max(weight.ndim - 1, 0))
