@@ -140,3 +140,72 @@ def test_top_k_counts_a_tie_at_the_kth_score_as_keras(replicas, keras_results):
     assert ours == pytest.approx(keras_results["top_k"], abs=1e-6)
     rank = 1 + (TIED[np.arange(77), CLASSES][:, None] < TIED).sum(axis=1)  # NumPy's count
     assert ours == pytest.approx([np.mean(rank <= k) for k in (1, 2, 5)], abs=1e-6)
+
+
+def _keras_arguments_cases():
+    import keras
+
+    probabilities = RNG.dirichlet(np.ones(4), 77).astype(np.float32)
+    one_hot = np.eye(4, dtype=np.float32)[RNG.integers(0, 4, 77)]
+    binary = (1.0 / (1.0 + np.exp(-LOGITS))).astype(np.float32)
+    m, k = mirrored.metrics, keras.metrics
+    return [  # (ours, Keras', labels, predictions)
+        (m.Precision(top_k=2), k.Precision(top_k=2), one_hot, probabilities),
+        (m.Recall(class_id=1), k.Recall(class_id=1), one_hot, probabilities),
+        (m.Precision(0.3, 1, 2), k.Precision(0.3, 1, 2), one_hot, probabilities),
+        (m.Recall([0.2, 0.6], top_k=3), k.Recall([0.2, 0.6], top_k=3), one_hot, probabilities),
+        (m.AUC(np.int64(50)), k.AUC(np.int64(50)), LABELS, binary),
+        (m.AUC(thresholds=[0.2, 0.5, 0.8]), k.AUC(thresholds=[0.2, 0.5, 0.8]), LABELS, binary),
+    ]
+
+
+def test_precision_recall_and_auc_take_keras_arguments_in_keras_order(devices):
+    """`top_k`, `class_id`, `thresholds` positional as Keras orders them (Precision(0.3, 1, 2)
+    used to take 1 as its name), AUC's explicit `thresholds` and a NumPy `num_thresholds`:
+    inside `strategy.run` on 8 replicas, batches of 16 (a ragged 13 last), weighted, the
+    numbers of Keras' metric updated with the same batches on the host."""
+    strategy = mirrored.MirroredStrategy(devices)
+    weights = RNG.uniform(0.2, 2.0, 77).astype(np.float32)
+    for ours, theirs, labels, predictions in _keras_arguments_cases():
+        with strategy.scope():
+            ours = type(ours)(**_arguments(ours))
+        dataset = strategy.experimental_distribute_dataset(
+            (labels, predictions, weights), batch_size=16
+        )
+        for y, p, w in dataset:
+            strategy.run(lambda metric, y, p, w: metric.update_state(y, p, w), args=(ours, y, p, w))
+        for start in range(0, 77, 16):
+            rows = slice(start, start + 16)
+            theirs.update_state(labels[rows], predictions[rows], sample_weight=weights[rows])
+        np.testing.assert_allclose(
+            np.asarray(ours.result()), np.asarray(theirs.result()), rtol=2e-5, atol=1e-6
+        )
+
+
+def _arguments(metric):
+    """The arguments `metric` was built with (to build it again inside the scope)."""
+    if isinstance(metric, mirrored.metrics.AUC):
+        inner = metric.thresholds[1:-1]
+        evenly = np.allclose(inner, np.linspace(0, 1, metric.num_thresholds)[1:-1])
+        return {"num_thresholds": metric.num_thresholds} if evenly else {"thresholds": inner}
+    thresholds = None if metric.thresholds[0] in (0.5, -1e10) else list(metric.thresholds)
+    if thresholds is not None and metric._scalar:
+        thresholds = thresholds[0]
+    return {"thresholds": thresholds, "top_k": metric.top_k, "class_id": metric.class_id}
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: mirrored.metrics.Precision(thresholds=1.5), ["thresholds in [0, 1]", "1.5"]),
+        (lambda: mirrored.metrics.Recall(top_k=0), ["top_k", "int >= 1"]),
+        (lambda: mirrored.metrics.Precision(class_id=-1), ["class_id", "int >= 0"]),
+        (lambda: mirrored.metrics.AUC(multi_label=True), ["multi_label", "keras.metrics.AUC"]),
+        (lambda: mirrored.metrics.AUC(num_thresholds=1), ["num_thresholds", "int > 1"]),
+    ],
+)
+def test_keras_arguments_out_of_range_are_clear_errors(make, words):
+    with pytest.raises(ValueError) as error:
+        make()
+    for word in words:
+        assert word in str(error.value)

@@ -20,8 +20,9 @@ compute `result()` from them.
 """
 
 from mirrored._nnx.metrics import MetricState
+from mirrored._train.confusion import AUC, Precision, Recall
+from mirrored._train.confusion import get as get  # Trainer's metric names
 from mirrored._train.metrics import (
-    AUC,
     Accuracy,
     BinaryAccuracy,
     CategoricalAccuracy,
@@ -30,13 +31,10 @@ from mirrored._train.metrics import (
     MeanMetricWrapper,
     MeanSquaredError,
     Metric,
-    Precision,
-    Recall,
     SparseCategoricalAccuracy,
     SparseTopKCategoricalAccuracy,
     Sum,
 )
-from mirrored._train.metrics import get as get  # Trainer's metric names
 
 __all__ = [
     "AUC",

@@ -10,6 +10,7 @@ for a `MeanMetricWrapper` (the accuracies, `PearsonCorrelation`), is its functio
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -35,6 +36,13 @@ def is_keras_loss(value: Any) -> bool:
 
 def is_keras_metric(value: Any) -> bool:
     return _is_keras(value, "Metric")
+
+
+def is_plain_mean_wrapper(metric: Any) -> bool:
+    """Whether a Keras metric is a `MeanMetricWrapper` of a function, updated by Keras' own
+    `update_state` (a subclass that overrides it is a stateful metric of its own)."""
+    wrappers = [c for c in type(metric).__mro__ if c.__name__ == "MeanMetricWrapper"]
+    return bool(wrappers) and type(metric).update_state is wrappers[0].__dict__["update_state"]
 
 
 class KerasLoss:
@@ -91,6 +99,24 @@ class KerasMetric(_metrics.Metric):
     """
 
     def __init__(self, metric: Any) -> None:
+        try:
+            parameters = inspect.signature(metric.update_state).parameters
+        except (TypeError, ValueError):
+            parameters = {}  # type: ignore[assignment]
+        if "y_pred" not in parameters and "sample_weight" in parameters:
+            raise ValueError(
+                f"Expected a metric of (y_true, y_pred), as Keras' compile takes; found "
+                f"{type(metric).__name__}, whose update_state takes {tuple(parameters)}. "
+                "Fix: a metric of labels and predictions (keras.metrics.MeanSquaredError...), "
+                "or keras.metrics.MeanMetricWrapper(fn) around a function of them."
+            )
+        if parameters and "sample_weight" not in parameters:
+            raise ValueError(
+                f"Expected {type(metric).__name__}.update_state to take sample_weight: the "
+                "Trainer weighs a ragged batch's padded rows by 0 through it; found "
+                f"update_state{tuple(parameters)}. Fix: add sample_weight=None and weigh each "
+                "row's contribution by it."
+            )
         super().__init__(metric.name, jnp.float32)
         self._keras = metric
         self.direction = getattr(metric, "_direction", None)
@@ -121,14 +147,23 @@ class KerasMetric(_metrics.Metric):
         _metrics.check_rows(self.name, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
         if not self._names:  # sized by the data: built before the step is traced again
             raise MetricNotBuilt(self, _spec(y_true), _spec(y_pred))
-        weight = _real_row_weights(jax.tree.leaves(y_pred)[0], sample_weight)
+        weight = _real_row_weights(jax.tree.leaves(y_true)[0], sample_weight)
         options = {} if weight is None else {"sample_weight": weight}
         new = self._keras.stateless_update_state(self._values(), y_true, y_pred, **options)
         for name, value in zip(self._names, new, strict=True):
             getattr(self, name)[...] = value
 
-    def result(self) -> jax.Array:
-        return self._keras.stateless_result(self._values())
+    def result(self) -> Any:
+        """Keras' `result()` on the mirrored sums (a variable it returns read inside them)."""
+        from keras.src import backend
+
+        mapping = list(zip(self._keras.variables, self._values(), strict=True))
+        with backend.StatelessScope(state_mapping=mapping):
+            return jax.tree.map(
+                lambda v: jnp.asarray(v.value) if isinstance(v, backend.Variable) else v,
+                self._keras.result(),
+                is_leaf=lambda v: isinstance(v, backend.Variable),
+            )
 
     def __repr__(self) -> str:
         return f"KerasMetric({self._keras!r})"
@@ -154,13 +189,13 @@ def _spec(value: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(value.shape), value.dtype)
 
 
-def _real_row_weights(y_pred: Any, sample_weight: Any) -> Any:
+def _real_row_weights(y_true: Any, sample_weight: Any) -> Any:
     """The sample weights with a padded batch's padded rows at 0 (whatever the weights' rank),
     or the 0/1 row mask (int32, which every Keras metric casts to its dtype) without them."""
-    mask = _context.row_mask(y_pred)
+    mask = _context.row_mask(y_true)
     if mask is None:
         return sample_weight
-    if sample_weight is None:
+    if sample_weight is None:  # one weight per row, as Keras' (n,) sample weights
         return mask.astype(jnp.int32)
     weight = jnp.asarray(sample_weight, jnp.float32)
     mask = mask.astype(jnp.float32)

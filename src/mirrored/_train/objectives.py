@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mirrored._train import confusion as _confusion
 from mirrored._train import keras_objectives as _keras
 from mirrored._train import metrics as _metrics
 
@@ -34,13 +35,36 @@ def _shape_error(name: str, expected: str, y_true: Any, y_pred: Any, fix: str) -
     )
 
 
+_REDUCTIONS = ("sum_over_batch_size", "mean")  # what the Trainer does with per-example losses
+
+
 class Loss:
-    """A per-example loss: `loss(y_true, y_pred)` → shape `(batch,)`."""
+    """A per-example loss: `loss(y_true, y_pred)` → shape `(batch,)`.
+
+    The arguments are Keras' (`from_logits` first, positional as in Keras; `name`); the
+    Trainer averages the per-example values over the global batch, Keras' default
+    `reduction="sum_over_batch_size"`. Another reduction: pass Keras' own loss object.
+    """
 
     name = "loss"
 
-    def __init__(self, *, from_logits: bool = False) -> None:
+    def __init__(
+        self,
+        from_logits: bool = False,
+        *,
+        reduction: str = "sum_over_batch_size",
+        name: str | None = None,
+    ) -> None:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"Expected reduction='sum_over_batch_size' (Keras' default: the mean over the "
+                f"global batch) for a mirrored loss; found reduction={reduction!r}. Fix: drop "
+                f"it, or pass Keras' own loss object (keras.losses.{type(self).__name__}("
+                f"reduction={reduction!r})), which the Trainer reduces as Keras does."
+            )
         self.from_logits = from_logits
+        if name is not None:
+            self.name = name
 
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         raise NotImplementedError
@@ -50,11 +74,47 @@ class Loss:
 
 
 class SparseCategoricalCrossentropy(Loss):
-    """Integer class labels `(batch,)` against scores `(batch, classes)`."""
+    """Integer class labels `(batch,)` against scores `(batch, classes)`.
+
+    `ignore_class`, as Keras: labels equal to it count for nothing, and the batch's loss is
+    the mean over the others (the Trainer divides by the global batch's count of them).
+    """
 
     name = "sparse_categorical_crossentropy"
 
+    def __init__(
+        self,
+        from_logits: bool = False,
+        ignore_class: int | None = None,
+        *,
+        reduction: str = "sum_over_batch_size",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(from_logits, reduction=reduction, name=name)
+        if ignore_class is not None and (
+            isinstance(ignore_class, bool) or not isinstance(ignore_class, int | np.integer)
+        ):
+            raise ValueError(
+                f"Expected ignore_class to be an int label (or None); found {ignore_class!r}. "
+                "Fix: e.g. ignore_class=-1 for padding labels of -1."
+            )
+        self.ignore_class = None if ignore_class is None else int(ignore_class)
+
+    def masked(self, y_true: Any, y_pred: Any) -> tuple[jax.Array, jax.Array]:
+        """(the losses, 1 where the label is not `ignore_class`), one of each per label."""
+        if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
+            y_true = y_true[..., 0]
+        valid = y_true.astype(jnp.int32) != self.ignore_class
+        losses = self._values(jnp.where(valid, y_true, 0), y_pred)
+        return jnp.where(valid, losses, 0.0), valid.astype(jnp.float32)
+
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        if self.ignore_class is not None:  # one number: the mean over the labels counted
+            losses, valid = self.masked(y_true, y_pred)
+            return jnp.sum(losses) / jnp.maximum(jnp.sum(valid), 1.0)
+        return per_example(self._values(y_true, y_pred))
+
+    def _values(self, y_true: Any, y_pred: Any) -> jax.Array:
         if y_true.ndim == y_pred.ndim and y_true.shape[-1:] == (1,):
             y_true = y_true[..., 0]
         if y_true.shape != y_pred.shape[:-1]:
@@ -67,17 +127,55 @@ class SparseCategoricalCrossentropy(Loss):
             )
         labels = y_true.astype(jnp.int32)  # float class indices too, as Keras casts them
         if self.from_logits:
-            return per_example(optax.softmax_cross_entropy_with_integer_labels(y_pred, labels))
+            return optax.softmax_cross_entropy_with_integer_labels(y_pred, labels)
         log_probs = _log_probabilities(y_pred)
-        return per_example(-jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0])
+        return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+
+
+def _smoothing(label_smoothing: float) -> float:
+    if isinstance(label_smoothing, bool) or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(
+            f"Expected label_smoothing to be a number in [0, 1]; found {label_smoothing!r}. "
+            "Fix: e.g. label_smoothing=0.1 (Keras' default is 0: no smoothing)."
+        )
+    return float(label_smoothing)
+
+
+def _axis(axis: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise ValueError(
+            f"Expected axis to be an int (the classes' axis, Keras' default -1); found "
+            f"{axis!r}. Fix: e.g. axis=-1."
+        )
+    return int(axis)
 
 
 class CategoricalCrossentropy(Loss):
-    """One-hot (or soft) labels `(batch, classes)` against scores `(batch, classes)`."""
+    """One-hot (or soft) labels `(batch, classes)` against scores `(batch, classes)`.
+
+    As Keras: `label_smoothing` mixes the labels with the uniform `1 / classes`, and `axis`
+    is the classes' axis.
+    """
 
     name = "categorical_crossentropy"
 
+    def __init__(
+        self,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        *,
+        reduction: str = "sum_over_batch_size",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(from_logits, reduction=reduction, name=name)
+        self.label_smoothing = _smoothing(label_smoothing)
+        self.axis = _axis(axis)
+
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        if self.axis not in (-1, y_pred.ndim - 1):  # the classes last, as below
+            y_true = jnp.moveaxis(y_true, self.axis, -1)
+            y_pred = jnp.moveaxis(y_pred, self.axis, -1)
         if y_true.shape != y_pred.shape:
             raise _shape_error(
                 self.name,
@@ -87,9 +185,19 @@ class CategoricalCrossentropy(Loss):
                 "one-hot encode the labels, or use 'sparse_categorical_crossentropy' for "
                 "class indices.",
             )
+        y_true = y_true.astype(y_pred.dtype)
+        if self.label_smoothing:
+            classes = y_true.shape[-1]
+            y_true = y_true * (1.0 - self.label_smoothing) + self.label_smoothing / classes
         if self.from_logits:
             return per_example(optax.softmax_cross_entropy(y_pred, y_true))
         return per_example(-jnp.sum(y_true * _log_probabilities(y_pred), axis=-1))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(from_logits={self.from_logits}, "
+            f"label_smoothing={self.label_smoothing}, axis={self.axis})"
+        )
 
 
 def _log_probabilities(y_pred: Any) -> jax.Array:
@@ -114,12 +222,31 @@ def _same_shape(name: str, y_true: Any, y_pred: Any) -> jax.Array:
 
 
 class BinaryCrossentropy(Loss):
-    """0/1 labels against one probability (or logit) per target."""
+    """0/1 labels against one probability (or logit) per target.
+
+    As Keras: `label_smoothing` moves the labels towards 0.5 (`y * (1 - s) + s / 2`); the
+    mean over `axis` then over the example's other axes is the mean over all of them.
+    """
 
     name = "binary_crossentropy"
 
+    def __init__(
+        self,
+        from_logits: bool = False,
+        label_smoothing: float = 0.0,
+        axis: int = -1,
+        *,
+        reduction: str = "sum_over_batch_size",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(from_logits, reduction=reduction, name=name)
+        self.label_smoothing = _smoothing(label_smoothing)
+        self.axis = _axis(axis)
+
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         y_true = _same_shape(self.name, y_true, y_pred)
+        if self.label_smoothing:
+            y_true = y_true * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
         if self.from_logits:
             return per_example(optax.sigmoid_binary_cross_entropy(y_pred, y_true))
         p = jnp.clip(y_pred, _EPSILON, 1 - _EPSILON)
@@ -267,10 +394,10 @@ def _shape_resolved_accuracy(threshold: float) -> Callable[[Any, Any], jax.Array
     return accuracy
 
 
-_STATEFUL: dict[str, Callable[[], _metrics._Confusion]] = {
-    "precision": _metrics.Precision,
-    "recall": _metrics.Recall,
-    "auc": _metrics.AUC,
+_STATEFUL: dict[str, Callable[[], _confusion._Confusion]] = {
+    "precision": _confusion.Precision,
+    "recall": _confusion.Recall,
+    "auc": _confusion.AUC,
 }
 
 
@@ -283,7 +410,7 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
     if isinstance(spec, _metrics.Metric):  # Precision, AUC, a subclass: its own state
         return spec
     if _keras.is_keras_metric(spec):
-        if hasattr(spec, "_fn"):  # Keras' MeanMetricWrapper: its function, per example
+        if _keras.is_plain_mean_wrapper(spec):  # Keras' MeanMetricWrapper: per example
             values = functools.partial(spec._fn, **spec._fn_kwargs)
             return Metric(spec.name, values, getattr(spec, "_direction", None))
         return _keras.KerasMetric(spec)  # AUC, F1Score, MeanIoU...: Keras' state, summed
@@ -376,6 +503,11 @@ def check_labels(loss: Any, y_true: Any, y_pred_shape: tuple[int, ...]) -> None:
             f"label {bad!r} ({y_true.dtype}), which is no class. Fix: pass the class of each "
             "example (0..classes-1), or use a regression loss ('mse') for such targets."
         )
+    ignored = getattr(loss, "ignore_class", None)
+    if ignored is not None:  # those labels count for nothing, whatever their value
+        y_true = y_true[y_true != ignored]
+        if y_true.size == 0:
+            return
     classes = y_pred_shape[-1]
     low, high = y_true.min(), y_true.max()
     if low < 0 or high >= classes:

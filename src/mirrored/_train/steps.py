@@ -14,6 +14,7 @@ from flax import nnx
 
 from mirrored._core import context as _context
 from mirrored._core.global_rows import first_replica, is_per_example, on_global_rows
+from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._core.values import PerReplica, StackedBatches, is_per_replica
 from mirrored._optim.mixed_precision import LossScaleOptimizer
 from mirrored._optim.sharded import ShardedOptimizer
@@ -310,6 +311,8 @@ def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
         _one_output(y_pred, f"loss={loss_fn.name!r}")
     if isinstance(loss_fn, KerasLoss):  # Keras' own weighting and reduction
         return loss_fn.terms(y, y_pred, w)
+    if getattr(loss_fn, "ignore_class", None) is not None:
+        return _masked_mean_terms(loss_fn, y, y_pred, w)
     values = loss_fn(y, y_pred)
     if is_per_example(values, _rows(y_pred)):
         per_example = _objectives.per_example(values)
@@ -325,6 +328,33 @@ def _loss_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
         return value, value
     ctx.mark_replica_aware()
     return value / ctx.num_replicas_in_sync, value
+
+
+def _masked_mean_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any]:
+    """A loss with `ignore_class` (Keras' masked mean): the weighted sum of the counted
+    labels' losses over the global batch's count of counted labels, as Keras divides by the
+    valid entries (`apply_mask`). (This replica's share, the batch's loss.)"""
+    losses, valid = loss_fn.masked(y, y_pred)
+    ctx = _context.current_replica_context()
+    counted = valid
+    if ctx is not None and ctx.example_mask is not None:  # a padded batch's padded rows
+        counted = counted * _per_row(ctx.example_mask.astype(jnp.float32), counted)
+    weighted = counted if w is None else counted * _per_row(jnp.asarray(w, jnp.float32), counted)
+    total, count = jnp.sum(losses * weighted), jnp.sum(counted)
+    if ctx is not None and ctx.in_spmd and ctx.batch_is_split:
+        ctx.mark_replica_aware()
+        count = jax.lax.psum(count, REPLICA_AXIS)
+        share = total / jnp.maximum(count, 1.0)
+        return share, jax.lax.psum(share, REPLICA_AXIS)
+    share = total / jnp.maximum(count, 1.0)
+    return share, share
+
+
+def _per_row(weights: Any, like: Any) -> Any:
+    """Per-row (or per-label) weights shaped to multiply `like` (rows first)."""
+    if weights.ndim == like.ndim + 1 and weights.shape[-1] == 1:  # (n, 1) for (n,)
+        weights = weights[..., 0]
+    return weights.reshape(weights.shape + (1,) * (like.ndim - weights.ndim))
 
 
 def _metric_terms(

@@ -330,9 +330,12 @@ class Trainer(FitLoop, Evaluation):
             for i, (name, value) in enumerate(zip(self._names, sums[:names], strict=True))
         }
         for name, metric in zip(self._stateful_names, self._stateful, strict=True):
-            result = np.asarray(to_host(metric.result()), np.float64)
-            # One number, or Keras' array of several (F1Score per class, a list of thresholds)
-            logs[prefix + name] = float(result.reshape(-1)[0]) if result.size == 1 else result
+            result = metric.result()
+            # A dict of results (a Keras metric of several): its entries, as Keras logs them
+            for key, value in (result if isinstance(result, dict) else {name: result}).items():
+                value = np.asarray(to_host(value), np.float64)
+                # One number, or Keras' array of several (F1Score per class, thresholds)
+                logs[prefix + key] = float(value.reshape(-1)[0]) if value.size == 1 else value
         return logs
 
     def _reset_metrics(self) -> None:

@@ -154,6 +154,10 @@ def _replica_loss(
     if loss.reduction == "sum":
         return total
     if loss.reduction == "mean_with_sample_weight" and sample_weight is not None:
+        # Keras divides by the weights merged with the mask (`apply_mask`): masked entries'
+        # weights count for nothing
+        if element_mask is not None:
+            sample_weight = _times(sample_weight, element_mask)
         counted = sample_weight if rows is None else sample_weight * _broadcast(rows, sample_weight)
         divisor = jax.lax.psum(ops.sum(counted), REPLICA_AXIS)
     elif element_mask is not None:
