@@ -114,11 +114,11 @@ class _AtThresholds(_Confusion):
 
     def __init__(
         self,
-        thresholds: float | Sequence[float] | None,
-        top_k: int | None,
-        class_id: int | None,
-        name: str | None,
-        dtype: Any,
+        thresholds: float | Sequence[float] | None = None,
+        top_k: int | None = None,
+        class_id: int | None = None,
+        name: str | None = None,
+        dtype: Any = None,
     ) -> None:
         metric = type(self).__name__
         self._scalar = thresholds is None or np.ndim(thresholds) == 0
@@ -139,16 +139,6 @@ class Precision(_AtThresholds):
     """`TP / (TP + FP)` of `y_pred > threshold` (Keras' default threshold 0.5); Keras'
     arguments in Keras' order."""
 
-    def __init__(
-        self,
-        thresholds: float | Sequence[float] | None = None,
-        top_k: int | None = None,
-        class_id: int | None = None,
-        name: str | None = "precision",
-        dtype: Any = None,
-    ) -> None:
-        super().__init__(thresholds, top_k, class_id, name, dtype)
-
     def result(self) -> jax.Array:
         return self._ratio(self.true_positives[...], self.false_positives[...])
 
@@ -156,16 +146,6 @@ class Precision(_AtThresholds):
 class Recall(_AtThresholds):
     """`TP / (TP + FN)` of `y_pred > threshold` (Keras' default threshold 0.5); Keras'
     arguments in Keras' order."""
-
-    def __init__(
-        self,
-        thresholds: float | Sequence[float] | None = None,
-        top_k: int | None = None,
-        class_id: int | None = None,
-        name: str | None = "recall",
-        dtype: Any = None,
-    ) -> None:
-        super().__init__(thresholds, top_k, class_id, name, dtype)
 
     def result(self) -> jax.Array:
         return self._ratio(self.true_positives[...], self.false_negatives[...])

@@ -150,14 +150,8 @@ def _axis(axis: int) -> int:
     return int(axis)
 
 
-class CategoricalCrossentropy(Loss):
-    """One-hot (or soft) labels `(batch, classes)` against scores `(batch, classes)`.
-
-    As Keras: `label_smoothing` mixes the labels with the uniform `1 / classes`, and `axis`
-    is the classes' axis.
-    """
-
-    name = "categorical_crossentropy"
+class _Smoothed(Loss):
+    """A crossentropy of Keras' `(from_logits, label_smoothing, axis)` arguments."""
 
     def __init__(
         self,
@@ -171,6 +165,16 @@ class CategoricalCrossentropy(Loss):
         super().__init__(from_logits, reduction=reduction, name=name)
         self.label_smoothing = _smoothing(label_smoothing)
         self.axis = _axis(axis)
+
+
+class CategoricalCrossentropy(_Smoothed):
+    """One-hot (or soft) labels `(batch, classes)` against scores `(batch, classes)`.
+
+    As Keras: `label_smoothing` mixes the labels with the uniform `1 / classes`, and `axis`
+    is the classes' axis.
+    """
+
+    name = "categorical_crossentropy"
 
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         if self.axis not in (-1, y_pred.ndim - 1):  # the classes last, as below
@@ -221,7 +225,7 @@ def _same_shape(name: str, y_true: Any, y_pred: Any) -> jax.Array:
     return y_true.astype(y_pred.dtype)
 
 
-class BinaryCrossentropy(Loss):
+class BinaryCrossentropy(_Smoothed):
     """0/1 labels against one probability (or logit) per target.
 
     As Keras: `label_smoothing` moves the labels towards 0.5 (`y * (1 - s) + s / 2`); the
@@ -229,19 +233,6 @@ class BinaryCrossentropy(Loss):
     """
 
     name = "binary_crossentropy"
-
-    def __init__(
-        self,
-        from_logits: bool = False,
-        label_smoothing: float = 0.0,
-        axis: int = -1,
-        *,
-        reduction: str = "sum_over_batch_size",
-        name: str | None = None,
-    ) -> None:
-        super().__init__(from_logits, reduction=reduction, name=name)
-        self.label_smoothing = _smoothing(label_smoothing)
-        self.axis = _axis(axis)
 
     def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
         y_true = _same_shape(self.name, y_true, y_pred)

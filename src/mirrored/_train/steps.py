@@ -4,6 +4,7 @@ running sums their metrics add to."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -178,6 +179,25 @@ def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
     return gathered
 
 
+def _building_keras_metrics(run: Callable[..., PerReplica]) -> Callable[..., PerReplica]:
+    """`run` again after building a Keras metric sized by the data (F1Score), which raised
+    `MetricNotBuilt` when the first trace met it, before anything ran."""
+
+    @functools.wraps(run)
+    def building(strategy: Any, *arguments: Any) -> PerReplica:
+        try:
+            return run(strategy, *arguments)
+        except MetricNotBuilt as unbuilt:
+            with strategy.scope():  # its sums mirrored, as every metric's
+                for _, node in nnx.iter_graph(arguments[-1]):  # the caller's (not the copy)
+                    if isinstance(node, KerasMetric) and node._keras is unbuilt.keras:
+                        node.build(unbuilt.y_true, unbuilt.y_pred)
+        return building(strategy, *arguments)
+
+    return building
+
+
+@_building_keras_metrics
 def run_chunk(
     strategy: Any,
     steps_per_execution: int,
@@ -193,28 +213,6 @@ def run_chunk(
     shapes: padded each to its own length, as Keras' steps run them), else all in one
     program of `additions(*before, *after, batch)` (`strategy.run_steps`). A Keras metric
     sized by the data is built when the first trace meets it, before anything runs."""
-    try:
-        return _run_chunk(
-            strategy, steps_per_execution, chunk, step, additions, totals, before, after
-        )
-    except MetricNotBuilt as unbuilt:
-        with strategy.scope():  # its sums mirrored, as every metric's
-            for _, node in nnx.iter_graph(after):  # the caller's metric (raised: a traced copy)
-                if isinstance(node, KerasMetric) and node._keras is unbuilt.keras:
-                    node.build(unbuilt.y_true, unbuilt.y_pred)
-    return run_chunk(strategy, steps_per_execution, chunk, step, additions, totals, before, after)
-
-
-def _run_chunk(
-    strategy: Any,
-    steps_per_execution: int,
-    chunk: Chunk,
-    step: Callable[..., Any],
-    additions: Callable[..., Any],
-    totals: PerReplica,
-    before: tuple[Any, ...],
-    after: tuple[Any, ...],
-) -> PerReplica:
     if isinstance(chunk, list) and (steps_per_execution == 1 or not _one_shape(chunk)):
         for batch in chunk:
             totals = strategy.run(step, args=(*before, totals, *after, *batch))
