@@ -658,3 +658,41 @@ def test_a_masked_keras_loss_divided_by_the_weights_sum_equals_keras(devices):
     got = trainer.evaluate(logits, labels, sample_weight=weights, batch_size=37, verbose=0)
     expected = float(loss(labels, logits, sample_weight=weights))
     assert got["loss"] == pytest.approx(expected, rel=2e-5)
+
+
+class _StopAtBatch4(mirrored.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 4:
+            raise RuntimeError("interrupted at batch 4")
+
+
+def test_a_keras_metric_sized_by_the_data_resumes_and_verifies(devices, tmp_path):
+    """Found by a review: a fresh F1Score resumed by BackupAndRestore mid-epoch dropped its
+    saved sums (it has none until built), and `Trainer.verify` leaked MetricNotBuilt; verify
+    also failed its single-device check with any stateful metric (the Trainer's tuple of
+    metrics was not copied to the one device)."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(53, 6)).astype(np.float32)
+    y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, 53)]
+    strategy = mirrored.MirroredStrategy(devices)
+
+    def trainer():
+        with strategy.scope():
+            return mirrored.Trainer(
+                _Small(nnx.Rngs(1)),
+                optax.sgd(0.1),
+                loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                metrics=[keras.metrics.F1Score(name="f1"), mirrored.metrics.AUC(from_logits=True)],
+            )
+
+    options = {"batch_size": 8, "epochs": 2, "shuffle": False, "verbose": 0}
+    full = trainer().fit(x, y, **options).history
+    backup = mirrored.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    with pytest.raises(RuntimeError, match="batch 4"):
+        trainer().fit(x, y, callbacks=[backup, _StopAtBatch4()], **options)
+    backup = mirrored.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    resumed = trainer().fit(x, y, callbacks=[backup], **options).history
+    for name in ("loss", "f1", "auc"):
+        np.testing.assert_allclose(np.asarray(resumed[name]), np.asarray(full[name]), rtol=1e-5)
+    report = trainer().verify(x, y, batch_size=16)
+    assert report.ok, report

@@ -418,10 +418,14 @@ class Checkpoints:
         args = self._ocp.args.PyTreeRestore(item=item, partial_restore=True)
         return dict(self._manager.restore(step, args=args))
 
-    def restore(self, like: dict[str, np.ndarray], step: int | None = None) -> dict[str, Any]:
-        # Only the keys asked for: a model alone restores from a checkpoint that also holds
-        # the optimizer, without reading the optimizer's state.
-        return {k: np.asarray(v) for k, v in self._read(step, like.__contains__).items()}
+    def restore(
+        self, like: dict[str, np.ndarray], step: int | None = None, *, prefix: str | None = None
+    ) -> dict[str, Any]:
+        # Only the keys asked for (a model alone restores without reading the optimizer's
+        # state), and any under `prefix` (a metric sized by the data, built from its sums)
+        under = prefix or "\0"  # no key starts with it
+        wanted: Callable[[str], bool] = lambda k: k in like or k.startswith(under)  # noqa: E731
+        return {k: np.asarray(v) for k, v in self._read(step, wanted).items()}
 
     def extras(self, step: int | None = None) -> dict[str, Any]:
         restored = self._read(step, lambda key: key.startswith(_EXTRAS))

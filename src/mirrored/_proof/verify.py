@@ -42,9 +42,16 @@ from mirrored._proof.processes import check_processes, check_stragglers, global_
 from mirrored._run.errors import ReplicaDivergenceError
 
 
+def _has_state(value: Any) -> bool:
+    """An NNX object, or a list or tuple of them (the Trainer's tuple of stateful metrics)."""
+    if isinstance(value, list | tuple):
+        return any(is_state(leaf) for leaf in jax.tree.leaves(value, is_leaf=is_state))
+    return is_state(value)
+
+
 def _copy_args(args: Sequence[Any], place: Callable[[Any], Any], strategy: Any) -> list[Any]:
     """Fresh copies of the NNX objects in `args`, their arrays placed by `place`."""
-    positions = [i for i, a in enumerate(args) if is_state(a)]
+    positions = [i for i, a in enumerate(args) if _has_state(a)]
     graphdef, state = nnx.split(tuple(args[i] for i in positions))
 
     def copy(a: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mirrored._core import context as _context
 from mirrored._core.mesh import REPLICA_AXIS
@@ -140,12 +141,23 @@ class KerasMetric(_metrics.Metric):
             self._keras.reset_state()
         self._add_states()
 
+    @property
+    def built(self) -> bool:
+        return bool(self._names)
+
+    def build_like(self, saved: list[Any]) -> None:
+        """Build for the sums of a checkpoint (a fresh metric resumed by BackupAndRestore):
+        the metrics sized by the data size their sums by the outputs' last axis."""
+        size = max((np.shape(a)[-1] for a in saved if np.ndim(a)), default=1)
+        spec = jax.ShapeDtypeStruct((1, size), jnp.float32)
+        self.build(spec, spec)
+
     def _values(self) -> list[Any]:
         return [getattr(self, name)[...] for name in self._names]
 
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         _metrics.check_rows(self.name, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
-        if not self._names:  # sized by the data: built before the step is traced again
+        if not self.built:  # sized by the data: built before the step is traced again
             raise MetricNotBuilt(self, _spec(y_true), _spec(y_pred))
         weight = _real_row_weights(jax.tree.leaves(y_true)[0], sample_weight)
         options = {} if weight is None else {"sample_weight": weight}

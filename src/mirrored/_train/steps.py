@@ -179,7 +179,7 @@ def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
     return gathered
 
 
-def _building_keras_metrics(run: Callable[..., PerReplica]) -> Callable[..., PerReplica]:
+def building_keras_metrics(run: Callable[..., PerReplica]) -> Callable[..., PerReplica]:
     """`run` again after building a Keras metric sized by the data (F1Score), which raised
     `MetricNotBuilt` when the first trace met it, before anything ran."""
 
@@ -197,7 +197,7 @@ def _building_keras_metrics(run: Callable[..., PerReplica]) -> Callable[..., Per
     return building
 
 
-@_building_keras_metrics
+@building_keras_metrics
 def run_chunk(
     strategy: Any,
     steps_per_execution: int,

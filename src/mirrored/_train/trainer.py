@@ -34,7 +34,8 @@ from mirrored._train.batches import (
 )
 from mirrored._train.evaluation import Evaluation
 from mirrored._train.fit_loop import FitLoop
-from mirrored._train.steps import _additions, _eval_additions, _make_steps
+from mirrored._train.keras_objectives import KerasMetric
+from mirrored._train.steps import _additions, _eval_additions, _make_steps, building_keras_metrics
 
 logger = logging.getLogger("mirrored")
 
@@ -207,6 +208,11 @@ class Trainer(FitLoop, Evaluation):
     def _load_training_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
         arrays = dict(arrays)
         sums = arrays.pop("totals/sums")
+        for prefix, metric in self._metric_objects().items():
+            saved = [a for key, a in arrays.items() if key.startswith(prefix + "/")]
+            if isinstance(metric, KerasMetric) and saved and not metric.built:
+                with self.strategy.scope():  # a fresh F1Score: sized by its saved sums
+                    metric.build_like(saved)
         objects = {**self._state_objects(), **self._metric_objects()}
         _checkpoint.load_state_arrays(objects, arrays, source)
         self._train_totals = self._zeros(first=sums)  # the sums may come from N' replicas
@@ -366,22 +372,21 @@ class Trainer(FitLoop, Evaluation):
         dataset = self._dataset(x, y, batch_size=batch_size, shuffle=False, seed=0)
         batch = next(iter(dataset.epoch_iterator(1)))
         size = len(jax.tree.leaves(x)[0]) if _is_arrays(x) else None
-        return verify(
-            self.strategy,
-            self._train_step,
-            (
-                self.model,
-                self.optimizer,
-                self._zeros(),
-                self._stateful,
-                self.rngs,
-                *_batch_args(batch),
-            ),
-            expected_replicas=expected_replicas,
-            dataset_size=size,
-            steps_per_epoch=steps_per_epoch,
-            scaling=scaling,
-        )
+
+        def checked(strategy: Any, state: tuple[Any, ...]) -> Any:
+            return verify(
+                strategy,
+                self._train_step,
+                (*state, self.rngs, *_batch_args(batch)),
+                expected_replicas=expected_replicas,
+                dataset_size=size,
+                steps_per_epoch=steps_per_epoch,
+                scaling=scaling,
+            )
+
+        # A Keras metric sized by the data (F1Score) is built on this batch first, as in fit
+        state = (self.model, self.optimizer, self._zeros(), self._stateful)
+        return building_keras_metrics(checked)(self.strategy, state)
 
     # -- evaluate / predict -------------------------------------------------------------------
 

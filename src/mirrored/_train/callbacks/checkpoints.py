@@ -162,7 +162,7 @@ class BackupAndRestore(Callback):
         like = self.trainer._training_state()
         like["position/epoch"] = np.asarray(0)
         like["position/step"] = np.asarray(0)
-        arrays = self._checkpoints.restore(like, latest)
+        arrays = self._checkpoints.restore(like, latest, prefix="metrics/")
         epoch, step = int(arrays.pop("position/epoch")), int(arrays.pop("position/step"))
         self.trainer._load_training_state(arrays, self.backup_dir)
         self.trainer._resume_at(epoch, step)
