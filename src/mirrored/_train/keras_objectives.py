@@ -24,8 +24,8 @@ from mirrored._train import metrics as _metrics
 
 
 def _is_keras(value: Any, base: str) -> bool:
-    """Whether `value` is an instance of Keras' class `base` (`Loss`, `Metric`), without
-    importing Keras."""
+    """Whether `value` is an instance of Keras' class `base` (`Loss`, `Metric`, `R2Score`),
+    without importing Keras."""
     return any(
         cls.__name__ == base and cls.__module__.startswith("keras.") for cls in type(value).__mro__
     )
@@ -122,11 +122,17 @@ class KerasMetric(_metrics.Metric):
         self._keras = metric
         self.direction = getattr(metric, "_direction", None)
         self._names: tuple[str, ...] = ()
+        self._counts: tuple[bool, ...] = ()
+        self._flattens = _is_keras(metric, "_IoUBase")
         if _built(metric):
             self._add_states()
 
     def _add_states(self) -> None:
         self._names = tuple(f"state_{i}" for i in range(len(self._keras.variables)))
+        # R2Score adds the labels' size to `num_samples` whatever the weights: a padded
+        # batch's padded rows are taken back out of it
+        counting = _is_keras(self._keras, "R2Score")
+        self._counts = tuple(counting and v.name == "num_samples" for v in self._keras.variables)
         for name, variable in zip(self._names, self._keras.variables, strict=True):
             setattr(self, name, self.add_variable(variable.shape, variable.dtype))
 
@@ -159,11 +165,21 @@ class KerasMetric(_metrics.Metric):
         _metrics.check_rows(self.name, y_true=y_true, y_pred=y_pred, sample_weight=sample_weight)
         if not self.built:  # sized by the data: built before the step is traced again
             raise MetricNotBuilt(self, _spec(y_true), _spec(y_pred))
-        weight = _real_row_weights(jax.tree.leaves(y_true)[0], sample_weight)
+        labels = jax.tree.leaves(y_true)[0]
+        weight = _real_row_weights(labels, sample_weight)
+        if weight is not None and self._flattens and jnp.ndim(weight) < jnp.ndim(labels):
+            # The IoU metrics flatten the labels and the weights alike (segmentation maps)
+            weight = jnp.broadcast_to(
+                weight.reshape(weight.shape + (1,) * (labels.ndim - weight.ndim)), labels.shape
+            )
         options = {} if weight is None else {"sample_weight": weight}
-        new = self._keras.stateless_update_state(self._values(), y_true, y_pred, **options)
-        for name, value in zip(self._names, new, strict=True):
-            getattr(self, name)[...] = value
+        old = self._values()
+        new = self._keras.stateless_update_state(old, y_true, y_pred, **options)
+        rows = _context.row_mask(labels)
+        for name, before, after, counts in zip(self._names, old, new, self._counts, strict=True):
+            if counts and rows is not None:  # counts the labels, weighed or not: real rows only
+                after = before + (after - before) * jnp.sum(rows) / rows.shape[0]
+            getattr(self, name)[...] = after
 
     def result(self) -> Any:
         """Keras' `result()` on the mirrored sums (a variable it returns read inside them)."""
