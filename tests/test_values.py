@@ -130,3 +130,40 @@ def test_run_output_reduces_exactly(strategy):
     assert isinstance(out, mirrored.PerReplica)
     np.testing.assert_array_equal(strategy.reduce("SUM", out), (stacked * 2).sum(0))
     assert jax.tree.leaves(out) == [out]  # a leaf, not a pytree of per-device values
+
+
+def test_reduce_and_gather_inside_run_are_refused_as_in_tensorflow(strategy):
+    """Inside the step each replica reduced only its own value: `reduce("SUM", ...)` gave 8×
+    its own sum and `gather` its own rows 8 times, silently (found by a review). TensorFlow
+    raises RuntimeError (cross-replica context only); the message names the in-step way."""
+    batches = strategy.experimental_distribute_dataset(
+        np.arange(16, dtype=np.float32), batch_size=16
+    )
+    (batch,) = list(batches)
+    for call, instead in [
+        (lambda a: strategy.reduce("SUM", a.sum(), axis=None), "all_reduce('SUM', value)"),
+        (lambda a: strategy.gather(a, axis=0), "all_gather(value, 0)"),
+    ]:
+        with pytest.raises(RuntimeError, match="cross-replica context") as error:
+            strategy.run(call, args=(batch,))
+        assert instead in str(error.value)
+    totals = strategy.run(lambda a: a.sum(), args=(batch,))  # the host way still works
+    assert float(strategy.reduce("SUM", totals, axis=None)) == 120.0
+
+
+def test_tensorflow_iterator_and_per_replica_habits(strategy):
+    """`iterator.get_next()` works as in TensorFlow; `.values` of a PerReplica and an unknown
+    iterator attribute are errors that give the fix (they named internal classes before)."""
+    iterator = iter(
+        strategy.experimental_distribute_dataset(np.arange(32, dtype=np.float32), batch_size=16)
+    )
+    first = iterator.get_next()
+    second = next(iterator)
+    assert strategy.gather(first, axis=0).tolist() == list(range(16))
+    assert strategy.gather(second, axis=0).tolist() == list(range(16, 32))
+    with pytest.raises(StopIteration):
+        iterator.get_next()
+    with pytest.raises(AttributeError, match="experimental_local_results"):
+        first.values  # noqa: B018
+    with pytest.raises(AttributeError, match="get_next"):
+        iterator.get_next_as_optional  # noqa: B018

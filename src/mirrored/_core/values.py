@@ -66,6 +66,16 @@ class PerReplica:
         self._mask = mask
         self._count = count
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "values":  # TensorFlow's tuple of per-device components
+            raise AttributeError(
+                "PerReplica has no .values (TensorFlow's tuple of each replica's component); "
+                "one global array holds every replica's value here. Fix: "
+                "strategy.experimental_local_results(value) gives the tuple, each replica's "
+                "real rows."
+            )
+        raise AttributeError(f"'PerReplica' object has no attribute {name!r}")
+
     @property
     def mask(self) -> PerReplica | None:
         """For a batch padded to a static shape: True for real examples, False for padding."""

@@ -79,8 +79,17 @@ class Epoch(Iterator[Any]):
             close()
         self._source, self._steps = source, steps
 
+    def get_next(self) -> Any:
+        """TensorFlow's `iterator.get_next()`: the next distributed batch (StopIteration at the
+        end, where TensorFlow raises OutOfRangeError)."""
+        return next(self)
+
     def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
         source = self.__dict__.get("_source")
-        if source is None:
-            raise AttributeError(name)
+        if source is None or name.startswith("__") or not hasattr(source, name):
+            raise AttributeError(
+                f"A distributed dataset's iterator has no attribute {name!r}. Fix: next(it) "
+                "or it.get_next() for the next batch; strategy.run_steps(step, it, steps=K) "
+                "for K of them."
+            )
         return getattr(source, name)

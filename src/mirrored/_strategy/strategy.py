@@ -44,6 +44,19 @@ def _refuse_mixing(strategy: Any, what: str, fix: str) -> None:
         )
 
 
+def _refuse_in_a_step(what: str, instead: str) -> None:
+    """RuntimeError for a cross-replica operation called inside `run`'s step, as TensorFlow
+    raises (there each replica would reduce its own value alone: N× a sum, silently)."""
+    ctx = _context.current_replica_context()
+    if ctx is not None and ctx.in_spmd:
+        raise RuntimeError(
+            f"Expected {what} in cross-replica context (on the host, outside strategy.run), "
+            f"as in TensorFlow; found it inside the step of strategy.run, where each replica "
+            f"would combine only its own value. Fix: inside the step use {instead}, or "
+            f"return the value from the step and call {what} on the result."
+        )
+
+
 class _Scope:
     """What `strategy.scope()` returns: a context manager that may be entered again and again."""
 
@@ -316,6 +329,9 @@ class Strategy:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
         self._outside_other_scopes("strategy.reduce")
+        _refuse_in_a_step(
+            "strategy.reduce", "mirrored.get_replica_context().all_reduce('SUM', value)"
+        )
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.reduce(self, reduce_op, value, axis)
@@ -327,6 +343,7 @@ class Strategy:
         rows only, in order: the global batch as the dataset yielded it.
         """
         self._outside_other_scopes("strategy.gather")
+        _refuse_in_a_step("strategy.gather", "mirrored.get_replica_context().all_gather(value, 0)")
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.gather(self, value, axis)
