@@ -167,3 +167,20 @@ def test_tensorflow_iterator_and_per_replica_habits(strategy):
         first.values  # noqa: B018
     with pytest.raises(AttributeError, match="get_next"):
         iterator.get_next_as_optional  # noqa: B018
+
+
+def test_the_scope_and_local_results_inside_a_step_act_as_in_tensorflow(strategy):
+    """TensorFlow lets a step enter its strategy's scope again and gives a replica's own
+    value from experimental_local_results; both raised JAX's set_mesh error."""
+    batches = strategy.experimental_distribute_dataset(
+        np.arange(16, dtype=np.float32), batch_size=16
+    )
+    (batch,) = list(batches)
+
+    def step(a):
+        with strategy.scope():
+            (own,) = strategy.experimental_local_results(a)
+        return own * 2
+
+    doubled = strategy.run(step, args=(batch,))
+    assert strategy.gather(doubled, axis=0).tolist() == [2.0 * i for i in range(16)]

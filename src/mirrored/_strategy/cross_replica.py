@@ -72,10 +72,14 @@ def _axes(axis: Any, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         isinstance(a, int | np.integer) and not isinstance(a, bool) and -rank <= a < rank
         for a in axes
     ) or len({int(a) % max(rank, 1) for a in axes}) != len(axes):
+        fix = (
+            "axis=None: each replica's value is a scalar, so only the replicas combine"
+            if rank == 0
+            else "axis=0 reduces the batch axis too; axis=None combines the replicas only"
+        )
         raise ValueError(
             f"Expected axis to be None, an int or a tuple of distinct ints in [{-rank}, {rank}) "
-            f"for per-replica values of shape {shape}; found {axis!r}. Fix: axis=0 reduces "
-            "the batch axis too; axis=None combines the replicas only."
+            f"for per-replica values of shape {shape}; found {axis!r}. Fix: {fix}."
         )
     return tuple(sorted(int(a) % rank for a in axes))
 

@@ -52,7 +52,8 @@ def _refuse_in_a_step(what: str, instead: str) -> None:
         raise RuntimeError(
             f"Expected {what} in cross-replica context (on the host, outside strategy.run), "
             f"as in TensorFlow; found it inside the step of strategy.run, where each replica "
-            f"would combine only its own value. Fix: inside the step use {instead}, or "
+            f"would combine only its own value. Fix: inside the step use "
+            f"mirrored.get_replica_context().{instead}, or "
             f"return the value from the step and call {what} on the result."
         )
 
@@ -69,6 +70,10 @@ class _Scope:
     def __enter__(self) -> Strategy:
         strategy = self._strategy
         _refuse_mixing(strategy, "to enter", "leave the first `with strategy.scope():` block")
+        ctx = _context.current_replica_context()
+        if ctx is not None and ctx.in_spmd:  # inside run's step: already this strategy's
+            self._tokens.append((None, None))
+            return strategy
         hooks.load_extensions()  # Keras imported since: mirror its variables too
         token = _context.push_scope(strategy)
         try:
@@ -81,6 +86,8 @@ class _Scope:
 
     def __exit__(self, *exc: Any) -> None:
         token, mesh = self._tokens.pop()
+        if mesh is None:  # entered inside run's step: nothing was set
+            return
         try:
             mesh.__exit__(*exc)
         finally:
@@ -329,9 +336,7 @@ class Strategy:
             >>> strategy.reduce("SUM", per_replica_loss, axis=None)
         """
         self._outside_other_scopes("strategy.reduce")
-        _refuse_in_a_step(
-            "strategy.reduce", "mirrored.get_replica_context().all_reduce('SUM', value)"
-        )
+        _refuse_in_a_step("strategy.reduce", "all_reduce('SUM', value)")
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.reduce(self, reduce_op, value, axis)
@@ -343,7 +348,7 @@ class Strategy:
         rows only, in order: the global batch as the dataset yielded it.
         """
         self._outside_other_scopes("strategy.gather")
-        _refuse_in_a_step("strategy.gather", "mirrored.get_replica_context().all_gather(value, 0)")
+        _refuse_in_a_step("strategy.gather", "all_gather(value, 0)")
         self._runner.check_pending()  # check_numerics: raised before the value is read
         with _heartbeat.phase("read"):
             return cross_replica.gather(self, value, axis)
@@ -354,6 +359,9 @@ class Strategy:
         A padded batch shows each replica's real rows only (as TensorFlow's unevenly split
         last batch: `[5, 6]` and `[7]`), so replicas' results may differ in length.
         """
+        ctx = _context.current_replica_context()
+        if ctx is not None and ctx.in_spmd:  # a replica's own value, as TensorFlow's (value,)
+            return (value,)
         self._runner.check_pending()  # check_numerics: raised before the value is read
         return cross_replica.local_results(self, value)
 

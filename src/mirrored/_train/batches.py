@@ -6,8 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -22,26 +21,37 @@ if TYPE_CHECKING:
 logger = logging.getLogger("mirrored")
 
 
-class _Logs(Mapping[str, float]):
-    """Epoch-so-far logs, read from the devices only when a callback looks at them."""
+class _Logs(dict):  # type: ignore[type-arg]
+    """A batch's logs: Keras' dict, filled from the devices only when a callback looks at it
+    (its values are this batch's, however late they are read)."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
-        self._read = read
-        self._values: dict[str, float] | None = None
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        super().__init__()
+        self._read: Callable[[], dict[str, Any]] | None = read
 
-    def _get(self) -> dict[str, float]:
-        if self._values is None:
-            self._values = self._read()
-        return self._values
+    def _filled(self) -> _Logs:
+        if self._read is not None:
+            read, self._read = self._read, None
+            super().update(read())
+        return self
 
-    def __getitem__(self, key: str) -> float:
-        return self._get()[key]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
+def _filling(name: str) -> Callable[..., Any]:
+    method = getattr(dict, name)
 
-    def __len__(self) -> int:
-        return len(self._get())
+    def filled(self: _Logs, *args: Any, **kwargs: Any) -> Any:
+        return method(self._filled(), *args, **kwargs)
+
+    filled.__name__ = name
+    return filled
+
+
+for _name in (
+    "__getitem__", "__iter__", "__len__", "__contains__", "__repr__", "__eq__", "__setitem__",
+    "__delitem__", "get", "keys", "values", "items", "copy", "pop", "popitem", "setdefault",
+    "update", "__or__", "__ior__",
+):  # fmt: skip
+    setattr(_Logs, _name, _filling(_name))
 
 
 def _is_arrays(x: Any) -> bool:
@@ -145,7 +155,7 @@ def _sample_weights(sample_weight: Any, x: Any) -> np.ndarray:
 
 
 def _ratio(total: float, count: float) -> float:
-    return float(total / count) if count else math.nan
+    return float(total / count) if count else 0.0  # Keras: divide_no_nan
 
 
 def _has_per_replica(value: Any) -> bool:

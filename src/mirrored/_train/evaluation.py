@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from mirrored._core.values import to_host
 from mirrored._data.input import DistributedDataset, source_length
@@ -20,7 +21,6 @@ from mirrored._train.batches import (
     _epoch_batches,
     _has_per_replica,
     _is_arrays,
-    _Logs,
     _next_chunk,
 )
 from mirrored._train.callbacks.base import Callback
@@ -30,6 +30,35 @@ from mirrored._train.resident import indices as _indices
 from mirrored._train.steps import _gathering, run_chunk
 
 logger = logging.getLogger("mirrored")
+
+
+_MODES = ("deterministic", "use_running_average")  # what `eval()` / `train()` set
+
+
+def _keeping_the_mode(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (which calls the model in eval mode), called during `fit` (from a callback),
+    leaves the model's mode as it found it: it must not switch Dropout off for the rest of
+    training (Keras passes `training=` per call, so nothing persists there). Outside `fit`
+    the model stays in eval mode afterwards, ready for inference."""
+
+    @functools.wraps(method)
+    def keeping(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_fitting", False):
+            return method(self, *args, **kwargs)
+        modes = [
+            (module, name, getattr(module, name))
+            for _, module in nnx.iter_graph(self.model)
+            if isinstance(module, nnx.Module)
+            for name in _MODES
+            if isinstance(getattr(module, name, None), bool)
+        ]
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for module, name, value in modes:
+                setattr(module, name, value)
+
+    return keeping
 
 
 class Evaluation:
@@ -48,6 +77,7 @@ class Evaluation:
     _dataset: Callable[..., DistributedDataset]
     _zeros: Callable[..., Any]
     _read: Callable[..., dict[str, float]]
+    _batch_logs: Callable[..., Any]
     _reset_metrics: Callable[[], None]
 
     def _resident(
@@ -115,6 +145,7 @@ class Evaluation:
         )
         return dataset, placed
 
+    @_keeping_the_mode
     def _run_eval(
         self,
         dataset: DistributedDataset,
@@ -156,9 +187,7 @@ class Evaluation:
             )
             step += len(chunk)
             if per_step:
-                callbacks.on_test_batch_end(
-                    step - 1, logs=_Logs(functools.partial(self._read, totals))
-                )
+                callbacks.on_test_batch_end(step - 1, logs=self._batch_logs(totals))
         logs = self._read(totals)
         callbacks.on_test_end(logs)
         return {prefix + name: value for name, value in logs.items()}
@@ -207,6 +236,7 @@ class Evaluation:
         return self._run_eval(dataset, callback_list, placed=placed)
 
     @_eager_when_asked
+    @_keeping_the_mode
     def predict(
         self,
         x: Any,

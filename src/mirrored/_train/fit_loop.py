@@ -27,7 +27,6 @@ from mirrored._train.batches import (
     _eager_when_asked,
     _epoch_batches,
     _is_arrays,
-    _Logs,
     _next_chunk,
     pass_position,
 )
@@ -56,6 +55,21 @@ def _numerics_in_fit_terms(method: Callable[..., Any]) -> Callable[..., Any]:
             raise self._in_fit_terms(error) from None
 
     return wrapped
+
+
+def _fitting(fit: Callable[..., Any]) -> Callable[..., Any]:
+    """`fit`, with `trainer._fitting` set while it runs (an evaluate or predict from a
+    callback then leaves the model in train mode)."""
+
+    @functools.wraps(fit)
+    def fitting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._fitting = True
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            self._fitting = False
+
+    return fitting
 
 
 def _first_of(chunk: Chunk, strategy: Any, data: tuple[Any, ...] | None) -> tuple[Any, ...]:
@@ -95,6 +109,7 @@ class FitLoop:
     _dataset: Callable[..., DistributedDataset]
     _zeros: Callable[..., Any]
     _read: Callable[..., dict[str, float]]
+    _batch_logs: Callable[..., Any]
     _reset_metrics: Callable[[], None]
     _eval_dataset: Callable[..., Any]
     _run_eval: Callable[..., Any]
@@ -112,6 +127,7 @@ class FitLoop:
 
     @_eager_when_asked
     @_numerics_in_fit_terms
+    @_fitting
     def fit(
         self,
         x: Any = None,
@@ -299,7 +315,7 @@ class FitLoop:
                 step += len(chunk)
                 if per_step:
                     callback_list.on_train_batch_end(
-                        step - 1, logs=_Logs(lambda: self._read(self._train_totals))
+                        step - 1, logs=self._batch_logs(self._train_totals)
                     )
                 if self.stop_training:
                     break

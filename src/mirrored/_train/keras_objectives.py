@@ -123,7 +123,8 @@ class KerasMetric(_metrics.Metric):
         self.direction = getattr(metric, "_direction", None)
         self._names: tuple[str, ...] = ()
         self._counts: tuple[bool, ...] = ()
-        self._flattens = _is_keras(metric, "_IoUBase")
+        # IoU metrics of sparse labels flatten the labels and the weights alike
+        self._flattens = _is_keras(metric, "_IoUBase") and getattr(metric, "sparse_y_true", True)
         if _built(metric):
             self._add_states()
 
@@ -195,6 +196,15 @@ class KerasMetric(_metrics.Metric):
 
     def __repr__(self) -> str:
         return f"KerasMetric({self._keras!r})"
+
+
+def build_from_saved(metrics: dict[str, Any], arrays: dict[str, Any]) -> None:
+    """Build each Keras metric sized by the data (not built yet: a fresh one) that has sums
+    under its prefix in a checkpoint's `arrays`, for those sums' shapes."""
+    for prefix, metric in metrics.items():
+        saved = [a for key, a in arrays.items() if key.startswith(prefix + "/")]
+        if isinstance(metric, KerasMetric) and saved and not metric.built:
+            metric.build_like(saved)
 
 
 class MetricNotBuilt(Exception):

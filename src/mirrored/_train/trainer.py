@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from mirrored._train.batches import (
     _batch_args,
     _check_batch_size,
     _is_arrays,
+    _Logs,
     _Placed,
     _placed_batches,
     _ratio,
@@ -34,7 +36,7 @@ from mirrored._train.batches import (
 )
 from mirrored._train.evaluation import Evaluation
 from mirrored._train.fit_loop import FitLoop
-from mirrored._train.keras_objectives import KerasMetric
+from mirrored._train.keras_objectives import build_from_saved
 from mirrored._train.steps import _additions, _eval_additions, _make_steps, building_keras_metrics
 
 logger = logging.getLogger("mirrored")
@@ -208,11 +210,8 @@ class Trainer(FitLoop, Evaluation):
     def _load_training_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
         arrays = dict(arrays)
         sums = arrays.pop("totals/sums")
-        for prefix, metric in self._metric_objects().items():
-            saved = [a for key, a in arrays.items() if key.startswith(prefix + "/")]
-            if isinstance(metric, KerasMetric) and saved and not metric.built:
-                with self.strategy.scope():  # a fresh F1Score: sized by its saved sums
-                    metric.build_like(saved)
+        with self.strategy.scope():  # a fresh F1Score: sized by its saved sums, mirrored
+            build_from_saved(self._metric_objects(), arrays)
         objects = {**self._state_objects(), **self._metric_objects()}
         _checkpoint.load_state_arrays(objects, arrays, source)
         self._train_totals = self._zeros(first=sums)  # the sums may come from N' replicas
@@ -326,7 +325,12 @@ class Trainer(FitLoop, Evaluation):
         with peer_failures():  # the first read after a worker died surfaces here
             return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
 
-    def _read(self, totals: Any, prefix: str = "") -> dict[str, Any]:
+    def _batch_logs(self, totals: Any) -> _Logs:
+        """A batch hook's logs: these sums and results, read only if a callback looks."""
+        results = tuple(metric.result() for metric in self._stateful)
+        return _Logs(functools.partial(self._read, totals, results=results))
+
+    def _read(self, totals: Any, prefix: str = "", results: Any = None) -> dict[str, Any]:
         self.strategy._check_pending()  # check_numerics: the steps behind these sums
         sums = self._sums(totals)
         names = len(self._names)
@@ -335,8 +339,9 @@ class Trainer(FitLoop, Evaluation):
             prefix + name: _ratio(value, count if i == 0 else denominators[i - 1])
             for i, (name, value) in enumerate(zip(self._names, sums[:names], strict=True))
         }
-        for name, metric in zip(self._stateful_names, self._stateful, strict=True):
-            result = metric.result()
+        if results is None:
+            results = tuple(metric.result() for metric in self._stateful)
+        for name, result in zip(self._stateful_names, results, strict=True):
             # A dict of results (a Keras metric of several): its entries, as Keras logs them
             for key, value in (result if isinstance(result, dict) else {name: result}).items():
                 value = np.asarray(to_host(value), np.float64)
