@@ -5,6 +5,7 @@ callback, Keras' 0 for a metric of weights that are all 0."""
 
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import mirrored
@@ -80,3 +81,61 @@ def test_a_weighted_metric_of_zero_weights_is_zero_as_in_keras(devices):
     trainer = _trainer(devices, loss="mse", weighted_metrics=["mse"])
     logs = trainer.evaluate(X, Y, sample_weight=np.zeros(64, np.float32), verbose=0)
     assert logs == {"loss": 0.0, "mse": 0.0}
+
+
+def test_keras_names_mirrored_does_not_define_resolve_as_compile_does(devices):
+    """`loss="huber"`, `metrics=["mape", "r2_score"]` were refused; Keras' compile resolves
+    them (a loss function per example, metric objects named by the string)."""
+    import keras
+
+    trainer = _trainer(devices, loss="huber", metrics=["mape", "r2_score"])
+    logs = trainer.evaluate(X, Y, batch_size=16, verbose=0)
+    assert set(logs) == {"loss", "mape", "r2_score"}
+    outputs = np.asarray(trainer.predict(X, verbose=0))
+    huber = np.mean(
+        [
+            float(keras.losses.huber(Y[i : i + 16], outputs[i : i + 16]).mean())
+            for i in range(0, 64, 16)
+        ]
+    )
+    mape, r2 = keras.metrics.MeanAbsolutePercentageError(), keras.metrics.R2Score()
+    for start in range(0, 64, 16):
+        mape.update_state(Y[start : start + 16], outputs[start : start + 16])
+        r2.update_state(Y[start : start + 16], outputs[start : start + 16])
+    assert logs["loss"] == pytest.approx(huber, rel=1e-5)
+    assert logs["mape"] == pytest.approx(float(mape.result()), rel=1e-5)
+    assert logs["r2_score"] == pytest.approx(float(r2.result()), rel=1e-5)
+
+
+def test_keras_arguments_of_evaluate_predict_and_fits_validation(devices):
+    """`evaluate(steps=, return_dict=False)`, `predict(steps=)`, `fit(validation_freq=,
+    validation_steps=, validation_batch_size=)`, `validation_data` as a list or with a None
+    weight: Keras' arguments, which raised TypeError (or a misleading error) before."""
+    trainer = _trainer(devices, loss="mse", metrics=["mae"])
+    whole = trainer.evaluate(X, Y, batch_size=16, verbose=0)
+    first = trainer.evaluate(X[:32], Y[:32], batch_size=16, verbose=0)
+    assert trainer.evaluate(X, Y, batch_size=16, steps=2, verbose=0) == first
+    assert trainer.evaluate(X, Y, batch_size=16, verbose=0, return_dict=False) == [
+        whole["loss"],
+        whole["mae"],
+    ]
+    assert trainer.predict(X, batch_size=16, steps=3, verbose=0).shape == (48, 3)
+    options = {"batch_size": 16, "epochs": 4, "shuffle": False, "verbose": 0}
+    every = trainer.fit(X, Y, validation_data=[X[:24], Y[:24]], validation_freq=2, **options)
+    assert len(every.history["loss"]) == 4 and len(every.history["val_loss"]) == 2
+    listed = trainer.fit(X, Y, validation_data=(X, Y, None), validation_freq=[1, 4], **options)
+    assert len(listed.history["val_loss"]) == 2
+    held = trainer.fit(
+        X,
+        Y,
+        validation_data=(X, Y),
+        validation_steps=1,
+        validation_batch_size=8,
+        **{**options, "epochs": 1},
+    )
+    expected = trainer.evaluate(X[:8], Y[:8], verbose=0)["loss"]
+    assert held.history["val_loss"] == [pytest.approx(expected, rel=1e-6)]
+    with pytest.raises(ValueError, match="validation_data's x to fit the model"):
+        trainer.fit(X, Y, validation_data=(X[:, :3], Y), **options)
+    with pytest.raises(ValueError, match="validation_freq"):
+        trainer.fit(X, Y, validation_data=(X, Y), validation_freq=0, **options)

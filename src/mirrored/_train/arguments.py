@@ -3,7 +3,7 @@ error names the argument, what was expected, what was found, and the fix."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -77,6 +77,35 @@ def _rows(tree: Any) -> int | None:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else None
 
 
+def as_validation_data(validation_data: Any) -> Any:
+    """Keras' forms of held-out arrays as one: a list `[x_val, y_val]` as a tuple, and
+    `(x_val, y_val, None)` as `(x_val, y_val)`; anything else as it is."""
+    if (
+        isinstance(validation_data, tuple | list)
+        and len(validation_data) in (2, 3)
+        and _is_arrays(validation_data[0])
+    ):
+        validation_data = tuple(validation_data)
+        if len(validation_data) == 3 and validation_data[2] is None:
+            return validation_data[:2]
+    return validation_data
+
+
+def validation_epochs(validation_freq: Any) -> Callable[[int], bool]:
+    """Keras' `validation_freq`: an int n validates after every n-th epoch, a list (or other
+    container) after the epochs it lists (1-based)."""
+    if isinstance(validation_freq, int | np.integer) and not isinstance(validation_freq, bool):
+        if validation_freq >= 1:
+            return lambda epoch: epoch % int(validation_freq) == 0
+    elif isinstance(validation_freq, list | tuple | set | range):
+        listed = {int(e) for e in validation_freq}
+        return listed.__contains__
+    raise ValueError(
+        f"Expected validation_freq to be a positive int or a list of epochs (1-based), as in "
+        f"Keras; found {validation_freq!r}. Fix: e.g. validation_freq=2, or [1, 5, 10]."
+    )
+
+
 def check_validation_data(validation_data: Any) -> None:
     """Keras' `(x_val, y_val)` or `(x_val, y_val, val_sample_weight)` of one length each, or a
     dataset: checked before the first epoch, not after it."""
@@ -109,8 +138,11 @@ def check_fit(
     steps_per_epoch: Any,
     shuffle: Any,
     validation_data: Any,
-) -> None:
-    """Every `fit` argument that is not checked where it is used, before anything changes."""
+    validation_steps: Any = None,
+    validation_freq: Any = 1,
+) -> Callable[[int], bool]:
+    """Every `fit` argument that is not checked where it is used, before anything changes;
+    returns whether to validate after an epoch (1-based), Keras' `validation_freq`."""
     check_count("epochs", epochs, minimum=0, fix="e.g. epochs=10")
     check_count("initial_epoch", initial_epoch, minimum=0, fix="e.g. initial_epoch=0")
     check_count(
@@ -127,6 +159,8 @@ def check_fit(
         )
     check_labels_given(x, y, "fit")
     check_validation_data(validation_data)
+    check_count("validation_steps", validation_steps, minimum=1, none=True, fix="e.g. 10")
+    return validation_epochs(validation_freq)
 
 
 def class_sample_weights(y: Any, class_weight: Any, sample_weight: Any) -> np.ndarray:
@@ -168,6 +202,17 @@ def _describe(tree: Any) -> str:
         for path, leaf in leaves
     ]
     return ", ".join(parts[:4]) + (f" (+{len(parts) - 4} more)" if len(parts) > 4 else "")
+
+
+def check_fit_inputs(
+    model: Any, x: Any, rngs: Any, validation_data: Any, passed: set[Any] | None
+) -> None:
+    """`fit`'s in-memory `x` and `validation_data`'s x against the model (`check_model_input`),
+    before the first epoch (a wrong validation x used to fail after a whole epoch)."""
+    if _is_arrays(x):
+        check_model_input(model, x, rngs, "fit", passed)
+    if isinstance(validation_data, tuple) and _is_arrays(validation_data[0]):
+        check_model_input(model, validation_data[0], None, "validation_data", passed)
 
 
 def check_model_input(

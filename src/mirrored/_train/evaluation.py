@@ -145,6 +145,21 @@ class Evaluation:
         )
         return dataset, placed
 
+    def _validate(
+        self,
+        data: Any,
+        batch_size: int | None,
+        callbacks: CallbackList,
+        *,
+        steps: int | None = None,
+        **options: Any,
+    ) -> dict[str, float]:
+        """`fit`'s validation after an epoch: `val_` logs; the model back in train mode."""
+        dataset, placed = self._eval_dataset(data, batch_size, **options)
+        logs = self._run_eval(dataset, callbacks, prefix="val_", placed=placed, steps=steps)
+        self.model.train()
+        return logs
+
     @_keeping_the_mode
     def _run_eval(
         self,
@@ -153,9 +168,11 @@ class Evaluation:
         *,
         prefix: str = "",
         placed: tuple[Any, ...] | None = None,
+        steps: int | None = None,
     ) -> dict[str, float]:
-        """One pass over `dataset`; `callbacks` get Keras' test hooks (fit's, when validating).
-        With `placed`, the batches are index batches into those arrays on the devices."""
+        """One pass over `dataset` (its first `steps` batches); `callbacks` get Keras' test
+        hooks (fit's, when validating). With `placed`, the batches are index batches into
+        those arrays on the devices."""
         per_step = callbacks.overrides("on_test_batch_begin") or callbacks.overrides(
             "on_test_batch_end"
         )
@@ -164,7 +181,8 @@ class Evaluation:
         totals = self._zeros()
         self._reset_metrics()
         k = self.steps_per_execution  # in-memory arrays: K batches gathered at once
-        batches = _epoch_batches(dataset, 1, 0, k if k > 1 and placed is None else 0)
+        stacked = k > 1 and placed is None and steps is None
+        batches = _epoch_batches(dataset, 1, 0, k if stacked else 0)
         eval_step, eval_additions = self._eval_step, self._eval_additions
         rows: tuple[Any, ...] = ()
         if placed is not None:
@@ -172,7 +190,9 @@ class Evaluation:
             rows = (placed,)
         step = 0
         # steps_per_execution: K evaluation steps in one program, hooks every K steps (Keras).
-        while chunk := _next_chunk(batches, k):
+        while (size := k if steps is None else min(k, steps - step)) and (
+            chunk := _next_chunk(batches, size)
+        ):
             if per_step:
                 callbacks.on_test_batch_begin(step, logs={})
             totals = run_chunk(
@@ -202,13 +222,18 @@ class Evaluation:
         sample_weight: Any = None,
         callbacks: Sequence[Callback] | Callback | None = (),
         verbose: int | str = 0,
-    ) -> dict[str, float]:
+        steps: int | None = None,
+        return_dict: bool = True,
+    ) -> Any:
         """Loss and metrics over all of `x`/`y` (or a dataset), aggregated exactly over replicas.
 
         `sample_weight` weights the loss (and `weighted_metrics`) as in Keras. `callbacks` get
         Keras' test hooks (`on_test_begin`, `on_test_batch_end`, ...). `verbose=1` shows a
         progress bar on a terminal (one line elsewhere), as `fit` does; the default is quiet.
+        `steps`: only the first `steps` batches, as Keras. Returns `{name: value}`, or with
+        `return_dict=False` Keras' list `[loss, *metrics]` (the loss alone without metrics).
         """
+        _arguments.check_count("steps", steps, minimum=1, none=True, fix="e.g. steps=10")
         if y is None and sample_weight is not None:
             raise ValueError(
                 "Expected labels y together with sample_weight; found y=None. Fix: "
@@ -228,12 +253,16 @@ class Evaluation:
             self,
             {
                 "epochs": 1,
-                "steps": source_length(dataset),
+                "steps": steps or source_length(dataset),
                 "batch_size": batch_size or 32,
                 "verbose": verbose,
             },
         )
-        return self._run_eval(dataset, callback_list, placed=placed)
+        logs = self._run_eval(dataset, callback_list, placed=placed, steps=steps)
+        if return_dict:
+            return logs
+        values = list(logs.values())  # Keras' order: the loss, then the metrics as compiled
+        return values[0] if len(values) == 1 else values
 
     @_eager_when_asked
     @_keeping_the_mode
@@ -244,13 +273,16 @@ class Evaluation:
         batch_size: int | None = None,
         verbose: int | str = 0,
         callbacks: Sequence[Callback] | Callback | None = (),
+        steps: int | None = None,
     ) -> Any:
-        """Model outputs for every example of `x`, as NumPy, in input order, without padding.
+        """Model outputs for every example of `x` (of its first `steps` batches), as NumPy, in
+        input order, without padding.
 
         `callbacks` get Keras' predict hooks (`on_predict_begin`, `on_predict_batch_end` with
         `logs["outputs"]`, ...).
         """
         callbacks = _arguments.as_callbacks(callbacks)
+        _arguments.check_count("steps", steps, minimum=1, none=True, fix="e.g. steps=10")
         verbose = _arguments.check_verbose(verbose)
         if _is_arrays(x):
             _arguments.check_model_input(self.model, x, None, "predict", self._inputs_checked)
@@ -261,7 +293,7 @@ class Evaluation:
             x = _indices(x)
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
-        callback_list.set_trainer(self, {"steps": source_length(dataset), "verbose": 0})
+        callback_list.set_trainer(self, {"steps": steps or source_length(dataset), "verbose": 0})
         per_step = callback_list.overrides("on_predict_batch_begin") or callback_list.overrides(
             "on_predict_batch_end"
         )
@@ -269,6 +301,8 @@ class Evaluation:
         self.model.eval()
         outputs = []
         for step, batch in enumerate(dataset.epoch_iterator(1)):
+            if steps is not None and step >= steps:
+                break
             if per_step:
                 callback_list.on_predict_batch_begin(step, {})
             out = self.strategy.run(

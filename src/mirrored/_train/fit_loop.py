@@ -113,6 +113,7 @@ class FitLoop:
     _reset_metrics: Callable[[], None]
     _eval_dataset: Callable[..., Any]
     _run_eval: Callable[..., Any]
+    _validate: Callable[..., dict[str, Any]]
     _host_rows: Callable[..., Any]
     # The prediction shape of each input structure whose first batch was looked at.
     _predictions_seen: dict[Any, tuple[int, ...]]
@@ -145,6 +146,9 @@ class FitLoop:
         verbose: int | str = 1,
         seed: int = 0,
         class_weight: Mapping[int, float] | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
     ) -> History:
         """Train for `epochs` epochs; returns the `History`.
 
@@ -160,14 +164,16 @@ class FitLoop:
         `validation_split` holds out the last `n - floor(n * (1 - validation_split))`
         examples before shuffling. `class_weight` (`{class: weight}`, in-memory labels)
         weights each example by its class, as Keras does (training only; not with
-        `sample_weight`).
+        `sample_weight`). `validation_steps`, `validation_batch_size` and `validation_freq`
+        (every n-th epoch, or the epochs listed, 1-based) are Keras'.
 
         Every argument is checked before anything runs or changes (types, ranges, lengths,
         the callbacks' paths, the model against one example of x).
         """
         callbacks = _arguments.as_callbacks(callbacks)
         verbose = _arguments.check_verbose(verbose)
-        _arguments.check_fit(
+        validation_data = _arguments.as_validation_data(validation_data)
+        validates = _arguments.check_fit(
             x=x,
             y=y,
             epochs=epochs,
@@ -175,12 +181,14 @@ class FitLoop:
             steps_per_epoch=steps_per_epoch,
             shuffle=shuffle,
             validation_data=validation_data,
+            validation_steps=validation_steps,
+            validation_freq=validation_freq,
         )
         _check_batch_size(batch_size)
+        _check_batch_size(validation_batch_size)
         for callback in callbacks:
             callback.check()
-        if _is_arrays(x):
-            _arguments.check_model_input(self.model, x, self.rngs, "fit", self._inputs_checked)
+        _arguments.check_fit_inputs(self.model, x, self.rngs, validation_data, self._inputs_checked)
         if not isinstance(validation_split, float | int) or not 0.0 <= validation_split < 1.0:
             raise ValueError(
                 f"Expected validation_split in [0, 1); found {validation_split!r}. Fix: e.g. "
@@ -325,16 +333,11 @@ class FitLoop:
             if read_ahead and epoch + 1 < epochs and not self.stop_training:
                 ahead = _epoch_batches(train, epoch + 2, 0, chunked)
             logs = self._read(self._train_totals)
-            if validation_data is not None:
-                dataset, placed = self._eval_dataset(
-                    validation_data,
-                    batch_size,
-                    epochs=epochs - initial_epoch,
-                    checked=checked,
-                    in_use=data,  # the training arrays stay while validating
-                )
-                logs.update(self._run_eval(dataset, callback_list, prefix="val_", placed=placed))
-                self.model.train()
+            if validation_data is not None and validates(epoch + 1):
+                held = validation_batch_size or batch_size  # in_use: the training arrays stay
+                options: dict[str, Any] = {"epochs": epochs - initial_epoch, "in_use": data}
+                options.update(checked=checked, steps=validation_steps)
+                logs.update(self._validate(validation_data, held, callback_list, **options))
             callback_list.on_epoch_end(epoch, logs)
             self._last_logs = logs
             if self.stop_training:

@@ -10,7 +10,9 @@ for a `MeanMetricWrapper` (the accuracies, `PearsonCorrelation`), is its functio
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
 import sys
 from typing import Any
 
@@ -29,6 +31,23 @@ def _is_keras(value: Any, base: str) -> bool:
     return any(
         cls.__name__ == base and cls.__module__.startswith("keras.") for cls in type(value).__mro__
     )
+
+
+def named(kind: str, name: str) -> Any:
+    """Keras' loss (a function) or metric (an object) of a name mirrored does not define
+    (`"huber"`, `"r2_score"`), as `compile` resolves it; None without Keras on JAX or for a
+    name Keras does not know either."""
+    if importlib.util.find_spec("keras") is None or os.environ.get("KERAS_BACKEND") not in (
+        None,
+        "jax",
+    ):
+        return None
+    import keras  # KERAS_BACKEND unset: `import mirrored` has made it "jax"
+
+    try:
+        return getattr(keras, kind).get(name)
+    except (ValueError, TypeError):
+        return None
 
 
 def is_keras_loss(value: Any) -> bool:

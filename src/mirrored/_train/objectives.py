@@ -300,6 +300,9 @@ _LOSSES: dict[str, type[Loss]] = {
 def get_loss(spec: str | Loss | Callable[[Any, Any], Any], *, from_logits: bool = False) -> Any:
     """A per-example loss from a Keras name, a `Loss`, or a callable `(y_true, y_pred)`."""
     if isinstance(spec, str):
+        keras_loss = None if spec in _LOSSES else _keras.named("losses", spec)
+        if keras_loss is not None:  # Keras' function of that name ("huber"), per example
+            return keras_loss
         if spec not in _LOSSES:
             raise ValueError(
                 f"Expected a loss name from {sorted(_LOSSES)}; found {spec!r}. Fix: use one of "
@@ -428,6 +431,10 @@ def get_metric(spec: Any, loss: Any) -> Metric | _metrics.Metric:
             "mean_squared_error": MeanSquaredError(),
             "mean_absolute_error": MeanAbsoluteError(),
         }
+        keras_metric = None if spec in named else _keras.named("metrics", spec)
+        if keras_metric is not None:  # Keras' metric of that name ("r2_score"), so named
+            keras_metric.name = spec
+            return get_metric(keras_metric, loss)
         if spec not in named:
             raise ValueError(
                 f"Expected a metric name from {sorted(['accuracy', *named, *_STATEFUL])}; "
