@@ -139,3 +139,33 @@ def test_keras_arguments_of_evaluate_predict_and_fits_validation(devices):
         trainer.fit(X, Y, validation_data=(X[:, :3], Y), **options)
     with pytest.raises(ValueError, match="validation_freq"):
         trainer.fit(X, Y, validation_data=(X, Y), validation_freq=0, **options)
+
+
+def test_keras_callback_arguments_verbose_and_threshold(devices, tmp_path, capsys):
+    """`EarlyStopping(verbose=1)` and `ModelCheckpoint(verbose=1, initial_value_threshold=)`
+    raised TypeError; now Keras' messages and rule (save only once the threshold is beaten);
+    `save_freq=N` on ModelCheckpoint and a per-class monitor are clear errors; evaluate is
+    quiet by default."""
+    trainer = _trainer(devices, loss="mse")
+    options = {"batch_size": 16, "shuffle": False, "verbose": 0}
+    stop = mirrored.callbacks.EarlyStopping(
+        "loss", patience=0, min_delta=100.0, verbose=1, restore_best_weights=True
+    )
+    trainer.fit(X, Y, epochs=5, callbacks=[stop], **options)
+    printed = capsys.readouterr().out
+    assert "Epoch 2: early stopping" in printed
+    assert "Restoring model weights from the end of the best epoch: 1." in printed
+    never = mirrored.callbacks.ModelCheckpoint(
+        str(tmp_path / "never"), "loss", save_best_only=True, verbose=1, initial_value_threshold=0.0
+    )
+    saved = mirrored.callbacks.ModelCheckpoint(str(tmp_path / "saved"), "loss", verbose=1)
+    trainer.fit(X, Y, epochs=1, callbacks=[never, saved], **options)
+    printed = capsys.readouterr().out
+    assert "Epoch 1: loss did not improve from 0.00000" in printed
+    assert f"Epoch 1: saving model to {tmp_path / 'saved'}" in printed
+    assert mirrored.latest_checkpoint(str(tmp_path / "never")) is None
+    assert mirrored.latest_checkpoint(str(tmp_path / "saved")) is not None
+    with pytest.raises(ValueError, match="BackupAndRestore"):
+        mirrored.callbacks.ModelCheckpoint(str(tmp_path / "c"), save_freq=10)
+    trainer.evaluate(X, Y)
+    assert capsys.readouterr().out == ""

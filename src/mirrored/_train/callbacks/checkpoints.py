@@ -46,8 +46,18 @@ class ModelCheckpoint(Callback):
         save_weights_only: bool = False,
         mode: str = "auto",
         max_to_keep: int | None = 1,
+        verbose: int = 0,
+        save_freq: str = "epoch",
+        initial_value_threshold: float | None = None,
     ) -> None:
         _checkpoint.check_max_to_keep(max_to_keep)
+        if save_freq != "epoch":
+            raise ValueError(
+                f"Expected ModelCheckpoint's save_freq='epoch' (a checkpoint after each "
+                f"epoch); found {save_freq!r}. Fix: BackupAndRestore(dir, save_freq={save_freq!r})"
+                " backs up every N batches (and resumes there); ModelCheckpoint saves per epoch."
+            )
+        self.verbose = verbose  # Keras' messages: saved, improved or not
         self.filepath = os.fspath(filepath)
         if not self.filepath:
             raise ValueError(
@@ -66,22 +76,36 @@ class ModelCheckpoint(Callback):
         self.save_weights_only = save_weights_only
         self.mode = mode
         self._better = _improved(mode, monitor)  # refuse an unknown mode now
-        self.best: float | None = None
+        self.best: float | None = initial_value_threshold  # Keras': beat it to save
 
     def on_train_begin(self, logs: Mapping[str, float] | None = None) -> None:
         self._better = _improved_for(self, "ModelCheckpoint")
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, float] | None = None) -> None:
+        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        said = f"Epoch {epoch + 1}: "
         if self.save_best_only:
             value = _monitored(logs, self.monitor, "ModelCheckpoint")
-            if value is None or (self.best is not None and not self._better(value, self.best)):
+            if value is None:
                 return
+            best = self.best
+            if best is not None and not self._better(value, best):
+                self._say(f"{said}{self.monitor} did not improve from {best:.5f}")
+                return
+            start = "inf" if self._better is np.less else "-inf"
+            shown = start if best is None else f"{best:.5f}"
+            self._say(f"{said}{self.monitor} improved from {shown} to {value:.5f}, saving model")
             self.best = value
-        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        else:
+            self._say(f"{said}saving model to {path}")
         optimizer = None if self.save_weights_only else self.trainer.optimizer
         _checkpoint.save_checkpoint(
             path, self.trainer.model, optimizer, step=epoch + 1, max_to_keep=self.max_to_keep
         )
+
+    def _say(self, message: str) -> None:
+        if self.verbose > 0 and _checkpoint.is_chief():
+            print(message)
 
 
 class BackupAndRestore(Callback):

@@ -63,6 +63,12 @@ def _monitored(logs: Mapping[str, float] | None, monitor: str, who: str) -> floa
             monitor,
             ", ".join(logs or {}),
         )
+    elif np.ndim(value) > 0:
+        raise ValueError(
+            f"{who} expected the monitored metric {monitor!r} to be one number; found "
+            f"{np.size(value)} values (a metric per class or threshold). Fix: monitor a "
+            "scalar metric, e.g. keras.metrics.F1Score(average='macro')."
+        )
     return value
 
 
@@ -86,7 +92,9 @@ class EarlyStopping(Callback):
         baseline: float | None = None,
         restore_best_weights: bool = False,
         start_from_epoch: int = 0,
+        verbose: int = 0,
     ) -> None:
+        self.verbose = verbose  # Keras' messages: the epoch it stopped at, the weights restored
         self.monitor = monitor
         self.min_delta = abs(min_delta)
         self.patience = patience
@@ -130,7 +138,14 @@ class EarlyStopping(Callback):
             self.trainer.stop_training = True
 
     def on_train_end(self, logs: Mapping[str, float] | None = None) -> None:
+        if self.stopped_epoch > 0 and self.verbose > 0:
+            _chief_print(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:
+            if self.verbose > 0:
+                _chief_print(
+                    "Restoring model weights from the end of the best epoch: "
+                    f"{self.best_epoch + 1}."
+                )
             _checkpoint.load_state_arrays(
                 {"model": self.trainer.model},
                 self.best_weights,
