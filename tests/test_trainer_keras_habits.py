@@ -169,3 +169,35 @@ def test_keras_callback_arguments_verbose_and_threshold(devices, tmp_path, capsy
         mirrored.callbacks.ModelCheckpoint(str(tmp_path / "c"), save_freq=10)
     trainer.evaluate(X, Y)
     assert capsys.readouterr().out == ""
+
+
+def test_a_keras_pydataset_is_shuffled_by_batch_and_told_each_epoch_ends(devices):
+    """Keras' fit shuffles a PyDataset's batch order each epoch (shuffle=True, the default)
+    and calls its on_epoch_end(); the order was kept and on_epoch_end never called."""
+    import keras
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.ends = [], 0
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            self.seen.append(index)
+            rows = slice(8 * index, 8 * index + 8)
+            return X[rows], Y[rows]
+
+        def on_epoch_end(self):
+            self.ends += 1
+
+    trainer = _trainer(devices, loss="mse")
+    kept = Batches()
+    trainer.fit(kept, epochs=2, shuffle=False, verbose=0)
+    assert kept.seen == list(range(8)) * 2 and kept.ends == 2
+    shuffled = Batches()
+    trainer.fit(shuffled, epochs=2, verbose=0)
+    first, second = shuffled.seen[:8], shuffled.seen[8:]
+    assert sorted(first) == sorted(second) == list(range(8))
+    assert first != list(range(8)) and first != second and shuffled.ends == 2

@@ -54,6 +54,33 @@ for _name in (
     setattr(_Logs, _name, _filling(_name))
 
 
+class _PyDatasetEpochs:
+    """A `keras.utils.PyDataset` read as Keras' `fit` reads it: its batches by index, in a new
+    order each epoch when `shuffle` (seeded), and its `on_epoch_end()` after each pass."""
+
+    def __init__(self, source: Any, shuffle: bool, seed: int) -> None:
+        self.source, self.shuffle, self.seed, self.epoch = source, shuffle, seed, 0
+
+    @classmethod
+    def wrap(cls, x: Any, *, shuffle: bool, seed: int) -> Any:
+        keras = any(
+            c.__name__ == "PyDataset" and c.__module__.startswith("keras.") for c in type(x).__mro__
+        )
+        return cls(x, shuffle, seed) if keras else x
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = np.arange(len(self.source))
+        if self.shuffle:
+            np.random.default_rng((self.seed, self.epoch)).shuffle(order)
+        self.epoch += 1
+        for index in order:
+            yield self.source[int(index)]
+        self.source.on_epoch_end()
+
+
 def _is_arrays(x: Any) -> bool:
     if isinstance(x, np.ndarray | jax.Array):
         return True

@@ -31,6 +31,7 @@ from mirrored._train.batches import (
     _Logs,
     _Placed,
     _placed_batches,
+    _PyDatasetEpochs,
     _ratio,
     _sample_weights,
 )
@@ -298,6 +299,7 @@ class Trainer(FitLoop, Evaluation):
         # generator, a list of (x, y) batches, a tf.data Dataset, batched already) gives its
         # own, as Keras ignores it.
         grain = type(x).__module__.startswith("grain") and hasattr(x, "batch")
+        x = _PyDatasetEpochs.wrap(x, shuffle=shuffle, seed=seed)
         return self.strategy.experimental_distribute_dataset(
             x, batch_size=batch_size if grain else None
         )
