@@ -101,6 +101,9 @@ def test_distribute_values_requires_one_shape(strategy):
         (lambda v: 0.0 + v, "Arithmetic on"),  # `total_loss += loss` without a reduce
         (lambda v: v / 2, "Arithmetic on"),
         (lambda v: -v, "Arithmetic on"),
+        (lambda v: v % 2, "Arithmetic on"),
+        (lambda v: round(v), "Arithmetic on"),
+        (lambda v: v < 1.0, "Comparing"),  # `if loss < best:` before a reduce
         (lambda v: f"{v:.4f}", "Formatting"),
         (lambda v: v.numpy(), r"\.numpy\(\)"),
         (lambda v: v.item(), r"\.item\(\)"),
@@ -184,3 +187,8 @@ def test_the_scope_and_local_results_inside_a_step_act_as_in_tensorflow(strategy
 
     doubled = strategy.run(step, args=(batch,))
     assert strategy.gather(doubled, axis=0).tolist() == [2.0 * i for i in range(16)]
+
+
+def test_a_step_returning_a_string_says_what_a_step_may_return(strategy):
+    with pytest.raises(TypeError, match=r"return arrays, numbers or None.*found str 'done'"):
+        strategy.run(lambda: "done")

@@ -169,7 +169,14 @@ class PerReplica:
     # `total_loss += loss` outside a reduce, say: the same refusal, with the fix.
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
     __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __pow__ = __rpow__ = _arithmetic
-    __matmul__ = __rmatmul__ = __neg__ = __abs__ = _arithmetic
+    __matmul__ = __rmatmul__ = __neg__ = __abs__ = __pos__ = __invert__ = _arithmetic
+    __mod__ = __rmod__ = __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = _arithmetic
+    __round__ = _arithmetic
+
+    def _compare(self, *_: Any) -> Any:  # `if loss < best:` before a reduce
+        raise self._refuse("Comparing")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _compare
 
 
 def is_per_replica(x: Any) -> bool:

@@ -279,7 +279,7 @@ def compile_step(
                     )
                 if checking:  # after a non-finite step, the state stays as before it
                     new, failed = numerics._unless_non_finite(flags, new, state_k, failed)
-                return (new, failed), (jax.tree.map(jnp.asarray, out), flags)
+                return (new, failed), (jax.tree.map(_output_array, out), flags)
 
             (new_state, failed), (out, flags) = jax.lax.scan(
                 scan_step,
@@ -289,7 +289,7 @@ def compile_step(
             rows = None  # outputs are stacked by step, not by example
             grads = []
         out_leaves, out_treedef = jax.tree.flatten(out)
-        out_leaves = [jnp.asarray(x) for x in out_leaves]
+        out_leaves = [_output_array(x) for x in out_leaves]
         varying = tuple(_context.is_varying(x) for x in out_leaves)
         per_example = tuple(
             v and x.ndim >= 1 and x.shape[0] == rows
@@ -548,3 +548,17 @@ def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
         ops,
         n,
     )
+
+
+def _output_array(value: Any) -> Any:
+    """One leaf of what the step returned, as an array; anything else (a string, an object)
+    is an error that says what a step may return."""
+    try:
+        return jnp.asarray(value)
+    except TypeError as error:
+        raise TypeError(
+            f"Expected strategy.run's step to return arrays, numbers or None, in tuples, lists "
+            f"or dicts (a pytree); found {type(value).__name__} {value!r:.60}. Fix: return "
+            "jnp arrays (or keep strings and objects outside the step: they cannot cross "
+            "the compiled program)."
+        ) from error
