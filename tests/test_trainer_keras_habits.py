@@ -201,3 +201,23 @@ def test_a_keras_pydataset_is_shuffled_by_batch_and_told_each_epoch_ends(devices
     first, second = shuffled.seen[:8], shuffled.seen[8:]
     assert sorted(first) == sorted(second) == list(range(8))
     assert first != list(range(8)) and first != second and shuffled.ends == 2
+
+
+def test_the_keras_model_methods_a_callback_reads(devices, tmp_path):
+    """`self.model` in a callback is the Trainer: Keras' `get_weights`, `set_weights`,
+    `save_weights`, `load_weights`, `metrics_names` and `history` (AttributeError before)."""
+    trainer = _trainer(devices, _Dropped, loss="mse", metrics=["mae"])
+    before = trainer.get_weights()
+    assert [w.shape for w in before] == [(3,), (4, 3)]  # bias, kernel: no RNG state
+    history = trainer.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert trainer.history is history
+    assert trainer.metrics_names == ["loss", "mae"]
+    trained = trainer.get_weights()
+    trainer.save_weights(str(tmp_path / "weights"))
+    trainer.set_weights(before)
+    assert all(np.array_equal(a, b) for a, b in zip(trainer.get_weights(), before, strict=True))
+    assert trainer.predict(X[:8], verbose=0).shape == (8, 3)  # still placed mirrored
+    trainer.load_weights(str(tmp_path / "weights"))
+    assert all(np.array_equal(a, b) for a, b in zip(trainer.get_weights(), trained, strict=True))
+    with pytest.raises(ValueError, match="Nothing was changed"):
+        trainer.set_weights(before[:1])

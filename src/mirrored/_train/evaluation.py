@@ -21,6 +21,7 @@ from mirrored._train.batches import (
     _epoch_batches,
     _has_per_replica,
     _is_arrays,
+    _Logs,
     _next_chunk,
 )
 from mirrored._train.callbacks.base import Callback
@@ -77,7 +78,6 @@ class Evaluation:
     _dataset: Callable[..., DistributedDataset]
     _zeros: Callable[..., Any]
     _read: Callable[..., dict[str, float]]
-    _batch_logs: Callable[..., Any]
     _reset_metrics: Callable[[], None]
 
     def _resident(
@@ -144,6 +144,11 @@ class Evaluation:
             x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
         )
         return dataset, placed
+
+    def _batch_logs(self, totals: Any) -> _Logs:
+        """A batch hook's logs: these sums and results, read only if a callback looks."""
+        results = tuple(metric.result() for metric in self._stateful)
+        return _Logs(functools.partial(self._read, totals, results=results))
 
     def _validate(
         self,

@@ -242,7 +242,7 @@ class FitLoop:
         callback_list = CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose
         )
-        history = callback_list.history
+        history = self.history = callback_list.history  # Keras' `model.history`
         assert history is not None
         global_batch = batch_size or 32
         callback_list.set_trainer(

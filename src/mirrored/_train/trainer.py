@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +27,6 @@ from mirrored._train.batches import (
     _batch_args,
     _check_batch_size,
     _is_arrays,
-    _Logs,
     _Placed,
     _placed_batches,
     _PyDatasetEpochs,
@@ -37,13 +35,14 @@ from mirrored._train.batches import (
 )
 from mirrored._train.evaluation import Evaluation
 from mirrored._train.fit_loop import FitLoop
+from mirrored._train.keras_model import KerasModelMethods
 from mirrored._train.keras_objectives import build_from_saved
 from mirrored._train.steps import _additions, _eval_additions, _make_steps, building_keras_metrics
 
 logger = logging.getLogger("mirrored")
 
 
-class Trainer(FitLoop, Evaluation):
+class Trainer(FitLoop, Evaluation, KerasModelMethods):
     """Keras-style training on a strategy: `fit`, `evaluate`, `predict`.
 
     Create it inside `strategy.scope()` (with the model); the optimizer state is created there.
@@ -326,11 +325,6 @@ class Trainer(FitLoop, Evaluation):
         sums = PerReplica(totals.global_value, num_replicas=totals.num_replicas, stacked=True)
         with peer_failures():  # the first read after a worker died surfaces here
             return np.asarray(self.strategy.reduce("SUM", sums), np.float64)
-
-    def _batch_logs(self, totals: Any) -> _Logs:
-        """A batch hook's logs: these sums and results, read only if a callback looks."""
-        results = tuple(metric.result() for metric in self._stateful)
-        return _Logs(functools.partial(self._read, totals, results=results))
 
     def _read(self, totals: Any, prefix: str = "", results: Any = None) -> dict[str, Any]:
         self.strategy._check_pending()  # check_numerics: the steps behind these sums
