@@ -1,5 +1,6 @@
 """Collectives inside strategy.run, and the N× gradient trap they refuse."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -71,6 +72,35 @@ def test_all_reduce_of_mirrored_gradients_explains_the_trap(strategy):
     assert "already SUMS the gradients" in message and "compute_average_loss" in message
     assert "Wrong:" in message and "Right:" in message
     assert int(optimizer.step[...]) == 0
+
+
+def test_a_hand_written_psum_of_mirrored_gradients_is_warned(strategy, caplog):
+    """`jax.lax.psum(grads, "replica")` bypasses all_reduce's refusal and gave N× the update
+    silently (found by a review); a psum of replica-varying values, or psum(1) to count the
+    replicas, is not warned."""
+    with strategy.scope():
+        model = SmallMLP(rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def summed_twice(model, optimizer, x, y):
+        def loss_fn(model):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
+            return mirrored.compute_average_loss(per_example)
+
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, jax.tree.map(lambda g: jax.lax.psum(g, "replica"), grads))
+
+    def counted(x):
+        replicas = jax.lax.psum(1, "replica")
+        return jax.lax.psum(jnp.sum(x), "replica") / replicas
+
+    ((x, y),) = strategy.experimental_distribute_dataset(global_batches(1, 16))
+    with caplog.at_level("WARNING", logger="mirrored"):
+        strategy.run(counted, args=(x,))
+        assert "sums over the replicas" not in caplog.text
+        strategy.run(summed_twice, args=(model, optimizer, x, y))
+    assert "'summed_twice' sums over the replicas (jax.lax.psum" in caplog.text
+    assert "already summed over the replicas by jax.grad" in caplog.text
 
 
 def test_default_replica_context_is_identity():

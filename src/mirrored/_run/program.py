@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 from jax._src.core import ShardingTypeError
@@ -415,8 +416,9 @@ def compile_step(
         return run
     state = [*sorted_.state, target.latch()] if checking else sorted_.state
     split, rep = sorted_.with_mask() if inputs is None else inputs
-    # First trace: learn which outputs differ between replicas, to choose their specs.
-    jax.eval_shape(program(None, SPLIT), state, split, rep)
+    # First trace: learn which outputs differ between replicas, to choose their specs; and
+    # look at it for a hand-written psum of a value already the same on every replica.
+    _warn_invariant_psums(fn_name, jax.make_jaxpr(program(None, SPLIT))(state, split, rep))
     out_treedef, varying, per_example = recorded["out"]
     out_specs = [SPLIT if v else REPLICATED for v in varying] + [SPLIT] * checking
 
@@ -562,3 +564,40 @@ def _output_array(value: Any) -> Any:
             "jnp arrays (or keep strings and objects outside the step: they cannot cross "
             "the compiled program)."
         ) from error
+
+
+def _warn_invariant_psums(fn_name: str, closed: Any) -> None:
+    """Warn once per step when it sums over the replicas, with `jax.lax.psum` written by
+    hand, a value that is already the same on every replica (the gradients of mirrored
+    parameters are, summed already): the result is N times it, silently. JAX lowers such a
+    sum to `psum_invariant` of a `pvary`; mirrored's `all_reduce` refuses it outright."""
+
+    def found(jaxpr: Any) -> bool:
+        made_by = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "psum_invariant" and REPLICA_AXIS in eqn.params["axes"]:
+                source = made_by.get(eqn.invars[0])
+                if (
+                    source is not None
+                    and source.primitive.name == "pvary"
+                    and not isinstance(source.invars[0], jax.extend.core.Literal)
+                    and jnp.issubdtype(source.invars[0].aval.dtype, jnp.floating)
+                ):
+                    return True
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns") and found(inner):
+                    return True
+        return False
+
+    if found(closed.jaxpr):
+        logger.warning(
+            "%r sums over the replicas (jax.lax.psum over %r) a value that is already the same "
+            "on every replica: the result is N times it. Gradients of mirrored parameters are "
+            "already summed over the replicas by jax.grad; summing them again multiplies the "
+            "update by N. Fix: drop the psum/pmean of the gradients (the step is already "
+            "synchronous), or use mirrored.get_replica_context().all_reduce, which refuses "
+            "such a value.",
+            fn_name,
+            REPLICA_AXIS,
+        )

@@ -100,6 +100,7 @@ class KerasLoss:
         ctx = _context.current_replica_context()
         if ctx is None or not ctx.in_spmd or not ctx.batch_is_split:
             return share, share
+        ctx.mark_replica_aware()  # a "sum" too: Keras' fit trains on the batch's sum
         return share, jax.lax.psum(share, REPLICA_AXIS)
 
     def __call__(self, y_true: Any, y_pred: Any) -> Any:
