@@ -358,6 +358,11 @@ def test_a_hand_written_per_replica_mean_warns_of_the_n_times_gradient(devices, 
     with caplog.at_level(logging.WARNING, logger="mirrored.loss"):
         _custom_loop(mirrored.MirroredStrategy(devices))
     assert "SUMMED" not in caplog.text
+    # reduction="sum" is each replica's own sum: divided by the replica's batch (the classic
+    # trap) it trains with 8x the gradient; it was taken as scaled, silently (a review)
+    with caplog.at_level(logging.WARNING, logger="mirrored.loss"):
+        _custom_loop(mirrored.MirroredStrategy(devices), loss_reduction="sum")
+    assert "SUMMED over the 8 replicas" in caplog.text
 
 
 def test_compute_average_loss_takes_keras_tensors(devices):
