@@ -192,3 +192,21 @@ def test_the_scope_and_local_results_inside_a_step_act_as_in_tensorflow(strategy
 def test_a_step_returning_a_string_says_what_a_step_may_return(strategy):
     with pytest.raises(TypeError, match=r"return arrays, numbers or None.*found str 'done'"):
         strategy.run(lambda: "done")
+
+
+def test_a_mean_of_loss_shares_is_warned(strategy, caplog, monkeypatch):
+    """`strategy.reduce("MEAN", per_replica_loss)` of compute_average_loss' shares is the
+    loss / N, silently before (a review); SUM is the loss, and a per-replica mean of a
+    step without compute_average_loss averages correctly, unwarned."""
+    from mirrored._strategy import cross_replica
+
+    monkeypatch.setattr(cross_replica, "_warned_shares", [])
+    (x,) = list(strategy.experimental_distribute_dataset(np.arange(16.0), batch_size=16))
+    shares = strategy.run(lambda x: mirrored.compute_average_loss(x**2), args=(x,))
+    means = strategy.run(lambda x: x.mean(), args=(x,))
+    with caplog.at_level("WARNING", logger="mirrored.loss"):
+        assert float(strategy.reduce("SUM", shares, axis=None)) == np.mean(np.arange(16.0) ** 2)
+        assert float(strategy.reduce("MEAN", means, axis=None)) == 7.5
+        assert "loss / N" not in caplog.text
+        strategy.reduce("MEAN", shares, axis=None)
+    assert "their MEAN is the loss / N" in caplog.text and "reduce('SUM'" in caplog.text

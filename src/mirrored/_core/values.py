@@ -47,7 +47,7 @@ class PerReplica:
     `jax.Array` is the single source of truth and `experimental_local_results` slices it.
     """
 
-    __slots__ = ("_count", "_mask", "_num_replicas", "_stacked", "_value")
+    __slots__ = ("_count", "_mask", "_num_replicas", "_share", "_stacked", "_value")
 
     def __init__(
         self,
@@ -57,8 +57,12 @@ class PerReplica:
         stacked: bool,
         mask: jax.Array | None = None,
         count: jax.Array | None = None,
+        share: bool = False,
     ) -> None:
         self._value = value
+        # A scalar per replica from a step that called compute_average_loss: maybe each
+        # replica's share of the loss (their SUM is the loss; `reduce` warns of a MEAN).
+        self._share = share
         self._num_replicas = num_replicas
         self._stacked = stacked
         # A padded batch: which rows are real examples (split like the batch), and how many

@@ -15,12 +15,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.extend.core
+import jax.numpy as jnp
 from flax import nnx
 
 from mirrored._core import background
 from mirrored._core import context as _context
 from mirrored._core.coordination import coordination_client as coordination_client
 from mirrored._core.leaves import is_leaf as _is_leaf
+from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._nnx import metrics
 from mirrored._run.arguments import _SPLIT, _STACKED
 
@@ -467,3 +470,54 @@ def _diverged_error(fn_name: str, args: Any, kwargs: Any, variable: Any) -> Valu
         "combine them with strategy.reduce. BatchNorm's nnx.BatchStat statistics are averaged "
         "for you; gradients of a loss from mirrored.compute_average_loss are already summed."
     )
+
+
+def _output_array(value: Any) -> Any:
+    """One leaf of what the step returned, as an array; anything else (a string, an object)
+    is an error that says what a step may return."""
+    try:
+        return jnp.asarray(value)
+    except TypeError as error:
+        raise TypeError(
+            f"Expected strategy.run's step to return arrays, numbers or None, in tuples, lists "
+            f"or dicts (a pytree); found {type(value).__name__} {value!r:.60}. Fix: return "
+            "jnp arrays (or keep strings and objects outside the step: they cannot cross "
+            "the compiled program)."
+        ) from error
+
+
+def _warn_invariant_psums(fn_name: str, closed: Any) -> None:
+    """Warn once per step when it sums over the replicas, with `jax.lax.psum` written by
+    hand, a value that is already the same on every replica (the gradients of mirrored
+    parameters are, summed already): the result is N times it, silently. JAX lowers such a
+    sum to `psum_invariant` of a `pvary`; mirrored's `all_reduce` refuses it outright."""
+
+    def found(jaxpr: Any) -> bool:
+        made_by = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "psum_invariant" and REPLICA_AXIS in eqn.params["axes"]:
+                source = made_by.get(eqn.invars[0])
+                if (
+                    source is not None
+                    and source.primitive.name == "pvary"
+                    and not isinstance(source.invars[0], jax.extend.core.Literal)
+                    and jnp.issubdtype(source.invars[0].aval.dtype, jnp.floating)
+                ):
+                    return True
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns") and found(inner):
+                    return True
+        return False
+
+    if found(closed.jaxpr):
+        logger.warning(
+            "%r sums over the replicas (jax.lax.psum over %r) a value that is already the same "
+            "on every replica: the result is N times it. Gradients of mirrored parameters are "
+            "already summed over the replicas by jax.grad; summing them again multiplies the "
+            "update by N. Fix: drop the psum/pmean of the gradients (the step is already "
+            "synchronous), or use mirrored.get_replica_context().all_reduce, which refuses "
+            "such a value.",
+            fn_name,
+            REPLICA_AXIS,
+        )

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 from jax._src.core import ShardingTypeError
@@ -34,7 +33,13 @@ from mirrored._run.arguments import (
     _fn_key,
     _Sorted,
 )
-from mirrored._run.errors import _diverged_error, _python_branch_error, _warn_per_replica_mean
+from mirrored._run.errors import (
+    _diverged_error,
+    _output_array,
+    _python_branch_error,
+    _warn_invariant_psums,
+    _warn_per_replica_mean,
+)
 
 logger = logging.getLogger("mirrored")
 
@@ -55,6 +60,9 @@ class Program:
     name: str = ""
     where: str = ""  # "train_step at train.py:12": the hang watchdog names it
     fn_key: Any = None  # counts the steps of one step function
+    # The step called compute_average_loss: its scalar outputs may be loss shares (a MEAN of
+    # them is the loss / N, which `reduce` warns about).
+    loss_shared: bool = False
     steps: int = 1  # per call
     eager: bool = False
     any_masked: bool = dataclasses.field(init=False)  # read every step
@@ -243,6 +251,7 @@ def compile_step(
                 split, out, applied, new_state, state_names, names
             )
             recorded["check"] = layout
+        recorded["loss_shared"] = ctx.loss_shared  # compute_average_loss ran: shares out
         return new_state, out, flags, grads
 
     def body(
@@ -388,6 +397,7 @@ def compile_step(
             "eager": eager,
             "name": fn_name,
             "where": _defined_at(fn, fn_name),
+            "loss_shared": recorded.get("loss_shared", False),
         }
         if checking:
             inputs, layout = recorded["check"]
@@ -550,54 +560,3 @@ def _log_first_program(n: int, fn_name: str, call: Any, *inputs: Any) -> None:
         ops,
         n,
     )
-
-
-def _output_array(value: Any) -> Any:
-    """One leaf of what the step returned, as an array; anything else (a string, an object)
-    is an error that says what a step may return."""
-    try:
-        return jnp.asarray(value)
-    except TypeError as error:
-        raise TypeError(
-            f"Expected strategy.run's step to return arrays, numbers or None, in tuples, lists "
-            f"or dicts (a pytree); found {type(value).__name__} {value!r:.60}. Fix: return "
-            "jnp arrays (or keep strings and objects outside the step: they cannot cross "
-            "the compiled program)."
-        ) from error
-
-
-def _warn_invariant_psums(fn_name: str, closed: Any) -> None:
-    """Warn once per step when it sums over the replicas, with `jax.lax.psum` written by
-    hand, a value that is already the same on every replica (the gradients of mirrored
-    parameters are, summed already): the result is N times it, silently. JAX lowers such a
-    sum to `psum_invariant` of a `pvary`; mirrored's `all_reduce` refuses it outright."""
-
-    def found(jaxpr: Any) -> bool:
-        made_by = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "psum_invariant" and REPLICA_AXIS in eqn.params["axes"]:
-                source = made_by.get(eqn.invars[0])
-                if (
-                    source is not None
-                    and source.primitive.name == "pvary"
-                    and not isinstance(source.invars[0], jax.extend.core.Literal)
-                    and jnp.issubdtype(source.invars[0].aval.dtype, jnp.floating)
-                ):
-                    return True
-            for param in eqn.params.values():
-                inner = getattr(param, "jaxpr", param)
-                if hasattr(inner, "eqns") and found(inner):
-                    return True
-        return False
-
-    if found(closed.jaxpr):
-        logger.warning(
-            "%r sums over the replicas (jax.lax.psum over %r) a value that is already the same "
-            "on every replica: the result is N times it. Gradients of mirrored parameters are "
-            "already summed over the replicas by jax.grad; summing them again multiplies the "
-            "update by N. Fix: drop the psum/pmean of the gradients (the step is already "
-            "synchronous), or use mirrored.get_replica_context().all_reduce, which refuses "
-            "such a value.",
-            fn_name,
-            REPLICA_AXIS,
-        )

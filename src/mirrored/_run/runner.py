@@ -377,6 +377,7 @@ class Runner:
                     stacked=True,
                     mask=mask if masked else None,
                     count=count if masked else None,
+                    share=program.loss_shared and x.ndim == 1,
                 )
                 if stacked
                 else x

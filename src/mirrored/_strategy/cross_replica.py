@@ -4,6 +4,7 @@ counting a padded batch's real rows only (TensorFlow's unevenly split last batch
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -141,6 +142,8 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
             return reduce_one(v)
 
     def reduce_one(v: Any) -> jax.Array:
+        if op is ReduceOp.MEAN and axis is None and getattr(v, "_share", False):
+            _warn_mean_of_shares()
         values = stacked(strategy, v)
         axes = _axes(axis, values.ndim - 1, values.shape[1:])
         mask = _mask_of(v)
@@ -150,6 +153,24 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
         return _reduce_stacked(values, op, axes)
 
     return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+_warned_shares: list[bool] = []
+
+
+def _warn_mean_of_shares() -> None:
+    """Once: MEAN over replicas of values from a step that called compute_average_loss."""
+    if _warned_shares:
+        return
+    _warned_shares.append(True)
+    logging.getLogger("mirrored.loss").warning(
+        "strategy.reduce('MEAN', ...) of a scalar per replica from a step that called "
+        "mirrored.compute_average_loss: if it is the loss, each replica's value is its share "
+        "of the batch loss (divided by the GLOBAL batch), and their MEAN is the loss / N. "
+        "Fix: strategy.reduce('SUM', per_replica_loss, axis=None), as TensorFlow's tutorial "
+        "does. (A per-replica value that is not a share averages correctly: then ignore "
+        "this, or silence logging.getLogger('mirrored.loss').)"
+    )
 
 
 def gather(strategy: StrategyLike, value: Any, axis: int) -> Any:
