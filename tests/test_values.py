@@ -210,3 +210,25 @@ def test_a_mean_of_loss_shares_is_warned(strategy, caplog, monkeypatch):
         assert "loss / N" not in caplog.text
         strategy.reduce("MEAN", shares, axis=None)
     assert "their MEAN is the loss / N" in caplog.text and "reduce('SUM'" in caplog.text
+
+
+def test_a_checkpoint_inside_a_step_is_refused_and_cross_device_ops_ignored(
+    strategy, tmp_path, caplog
+):
+    """save_checkpoint inside the step raised a raw ConcretizationTypeError, and
+    restore_checkpoint called a good checkpoint corrupt and said to delete it (a review)."""
+    from flax import nnx
+
+    with strategy.scope():
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    mirrored.save_checkpoint(tmp_path / "ok", model)
+    for call in (
+        lambda m: mirrored.save_checkpoint(tmp_path / "inside", m),
+        lambda m: mirrored.restore_checkpoint(tmp_path / "ok", m),
+    ):
+        with pytest.raises(RuntimeError, match="inside the step of strategy.run.*between steps"):
+            strategy.run(call, args=(model,))
+    assert mirrored.latest_checkpoint(tmp_path / "ok") is not None
+    with caplog.at_level("WARNING", logger="mirrored"):
+        mirrored.MirroredStrategy(cross_device_ops=object())
+    assert "XLA picks the collective" in caplog.text

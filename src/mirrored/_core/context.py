@@ -316,3 +316,14 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return f"ReplicaContext(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def refuse_inside_a_step(what: str, why: str, fix: str) -> None:
+    """RuntimeError for `what`, a host operation, called inside `strategy.run`'s step (as
+    TensorFlow refuses cross-replica operations in replica context)."""
+    ctx = current_replica_context()
+    if ctx is not None and ctx.in_spmd:
+        raise RuntimeError(
+            f"Expected {what} in cross-replica context (on the host, outside strategy.run), "
+            f"as in TensorFlow; found it inside the step of strategy.run, {why}. Fix: {fix}."
+        )

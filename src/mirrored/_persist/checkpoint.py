@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mirrored._core import context as _context
 from mirrored._core import heartbeat, hooks
 from mirrored._core import mesh as _mesh
 from mirrored._core.leaves import is_hollow, is_key, raw_array
@@ -335,8 +336,7 @@ def _locate(directory: str | os.PathLike[str], step: int | None) -> tuple[str, i
             "save a checkpoint first."
         )
     parent, name = os.path.split(path)
-    # A step directory holds items, not steps; a directory named "3" that holds steps (as
-    # ModelCheckpoint("ckpt/{epoch}") writes) is a checkpoint directory of its own.
+    # A step directory holds items; one named "3" holding steps (ckpt/{epoch}) is a root
     if name.isdigit() and not _steps(path) and int(name) in _steps(parent):
         if step is not None and step != int(name):
             raise ValueError(
@@ -385,8 +385,7 @@ class Checkpoints:
     def save(self, step: int, arrays: Mapping[str, Any]) -> None:
         if not is_chief():
             return
-        # Saving a step that exists replaces it, as Keras overwrites (Orbax refuses): the old
-        # one is moved aside (no longer a step) and deleted once the new one is complete.
+        # An existing step is replaced as Keras does: moved aside, deleted once the new is done
         old = os.path.join(self.directory, str(step))
         aside = f"{old}{_REPLACED}"
         if os.path.isdir(old):
@@ -421,8 +420,7 @@ class Checkpoints:
     def restore(
         self, like: dict[str, np.ndarray], step: int | None = None, *, prefix: str | None = None
     ) -> dict[str, Any]:
-        # Only the keys asked for (a model alone restores without reading the optimizer's
-        # state), and any under `prefix` (a metric sized by the data, built from its sums)
+        # The keys asked for (a model alone: not the optimizer's), any under `prefix` too
         under = prefix or "\0"  # no key starts with it
         wanted: Callable[[str], bool] = lambda k: k in like or k.startswith(under)  # noqa: E731
         return {k: np.asarray(v) for k, v in self._read(step, wanted).items()}
@@ -467,9 +465,10 @@ def save_checkpoint(
         ...     extras={"epoch": epoch, "step_in_epoch": 0},
         ... )
 
-    Differs from tf.distribute: `tf.train.Checkpoint.save` keeps every checkpoint and
-    `tf.train.CheckpointManager` needs `max_to_keep`; here the newest one is kept by default.
+    Differs from tf.distribute: `tf.train.Checkpoint.save` keeps every checkpoint (and the
+    CheckpointManager needs `max_to_keep`); here the newest is kept by default.
     """
+    _context.refuse_inside_a_step("save_checkpoint", "its arrays traced", "save between steps")
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     save_objects(directory, objects, step=step, max_to_keep=max_to_keep, extras=extras)
 
@@ -515,6 +514,7 @@ def restore_checkpoint(
         ...     model = MLP(rngs=nnx.Rngs(0))
         >>> mirrored.restore_checkpoint("ckpt/", model)
     """
+    _context.refuse_inside_a_step("restore_checkpoint", "nothing restored", "restore between steps")
     objects = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     root, step = _locate(directory, step)
     return restore_objects(root, objects, step=step)[0]

@@ -45,17 +45,14 @@ def _refuse_mixing(strategy: Any, what: str, fix: str) -> None:
 
 
 def _refuse_in_a_step(what: str, instead: str) -> None:
-    """RuntimeError for a cross-replica operation called inside `run`'s step, as TensorFlow
-    raises (there each replica would reduce its own value alone: N× a sum, silently)."""
-    ctx = _context.current_replica_context()
-    if ctx is not None and ctx.in_spmd:
-        raise RuntimeError(
-            f"Expected {what} in cross-replica context (on the host, outside strategy.run), "
-            f"as in TensorFlow; found it inside the step of strategy.run, where each replica "
-            f"would combine only its own value. Fix: inside the step use "
-            f"mirrored.get_replica_context().{instead}, or "
-            f"return the value from the step and call {what} on the result."
-        )
+    """A cross-replica operation inside `run`'s step (each replica would combine only its
+    own value alone: N× a sum, silently)."""
+    _context.refuse_inside_a_step(
+        what,
+        "where each replica would combine only its own value",
+        f"inside the step use mirrored.get_replica_context().{instead}, or return the value "
+        f"from the step and call {what} on the result",
+    )
 
 
 class _Scope:
@@ -473,6 +470,7 @@ class MirroredStrategy(Strategy):
         hang_timeout: seconds without any step, input or result before the job is reported
             as hung and stopped (`mirrored.HangError`, exit code 44, the stack of every
             thread); default `$MIRRORED_HANG_TIMEOUT`, else off for one process.
+        cross_device_ops: TensorFlow's; accepted and ignored with a warning (XLA picks it).
 
     Example:
         >>> strategy = mirrored.MirroredStrategy()
@@ -487,7 +485,15 @@ class MirroredStrategy(Strategy):
         max_in_flight: int | None = None,
         donate: bool = True,
         hang_timeout: float | None = None,
+        cross_device_ops: Any = None,
     ) -> None:
+        if cross_device_ops is not None:  # TensorFlow's choice of all-reduce: XLA's here
+            logger.warning(
+                "MirroredStrategy(cross_device_ops=%r) is TensorFlow's choice of all-reduce "
+                "(NCCL, hierarchical copy); XLA picks the collective here (NCCL on GPU), so it "
+                "is ignored. Fix: drop the argument.",
+                cross_device_ops,
+            )
         resolved = resolve_devices(devices)
         super().__init__(
             resolved, max_in_flight=max_in_flight, donate=donate, hang_timeout=hang_timeout
