@@ -51,7 +51,8 @@ def test_all_gather_in_replica_order(strategy):
         np.testing.assert_array_equal(local, np.arange(8, dtype=np.float32))
 
 
-def test_all_reduce_of_mirrored_gradients_explains_the_trap(strategy):
+def _gradients_step(strategy, combine):
+    """A mirrored model and SGD, and a step whose gradients `combine` changes first."""
     with strategy.scope():
         model = SmallMLP(rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -61,10 +62,15 @@ def test_all_reduce_of_mirrored_gradients_explains_the_trap(strategy):
             per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
             return mirrored.compute_average_loss(per_example)
 
-        grads = nnx.grad(loss_fn)(model)
-        grads = mirrored.get_replica_context().all_reduce("MEAN", grads)
-        optimizer.update(model, grads)
+        optimizer.update(model, combine(nnx.grad(loss_fn)(model)))
 
+    return model, optimizer, step
+
+
+def test_all_reduce_of_mirrored_gradients_explains_the_trap(strategy):
+    model, optimizer, step = _gradients_step(
+        strategy, lambda grads: mirrored.get_replica_context().all_reduce("MEAN", grads)
+    )
     ((x, y),) = strategy.experimental_distribute_dataset(global_batches(1, 16))
     with pytest.raises(ValueError, match="already identical on every replica") as info:
         strategy.run(step, args=(model, optimizer, x, y))
@@ -78,17 +84,9 @@ def test_a_hand_written_psum_of_mirrored_gradients_is_warned(strategy, caplog):
     """`jax.lax.psum(grads, "replica")` bypasses all_reduce's refusal and gave N× the update
     silently (found by a review); a psum of replica-varying values, or psum(1) to count the
     replicas, is not warned."""
-    with strategy.scope():
-        model = SmallMLP(rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-
-    def summed_twice(model, optimizer, x, y):
-        def loss_fn(model):
-            per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-            return mirrored.compute_average_loss(per_example)
-
-        grads = nnx.grad(loss_fn)(model)
-        optimizer.update(model, jax.tree.map(lambda g: jax.lax.psum(g, "replica"), grads))
+    model, optimizer, step = _gradients_step(
+        strategy, lambda grads: jax.tree.map(lambda g: jax.lax.psum(g, "replica"), grads)
+    )
 
     def counted(x):
         replicas = jax.lax.psum(1, "replica")
@@ -98,8 +96,8 @@ def test_a_hand_written_psum_of_mirrored_gradients_is_warned(strategy, caplog):
     with caplog.at_level("WARNING", logger="mirrored"):
         strategy.run(counted, args=(x,))
         assert "sums over the replicas" not in caplog.text
-        strategy.run(summed_twice, args=(model, optimizer, x, y))
-    assert "'summed_twice' sums over the replicas (jax.lax.psum" in caplog.text
+        strategy.run(step, args=(model, optimizer, x, y))
+    assert "'step' sums over the replicas (jax.lax.psum" in caplog.text
     assert "already summed over the replicas by jax.grad" in caplog.text
 
 
