@@ -101,6 +101,18 @@ def _trainer(**kwargs):
     return make
 
 
+def _inside_run(env, what):
+    """A host operation called inside the step: refused as TensorFlow's cross-replica ones."""
+    strategy, path = env["strategy"], _path(env, "inside")
+    (batch,) = list(strategy.experimental_distribute_dataset(X[:16], batch_size=16))
+    steps = {
+        "reduce": lambda model, x: strategy.reduce("SUM", x.sum(), axis=None),
+        "gather": lambda model, x: strategy.gather(x, axis=0),
+        "save": lambda model, x: mirrored.save_checkpoint(path, model),
+    }
+    strategy.run(steps[what], args=(env["trainer"].model, batch))
+
+
 def _keras_loss(**options):
     import keras
 
@@ -148,7 +160,7 @@ def _first_batch(env):
     return x
 
 
-T, V, F, K = TypeError, ValueError, FileNotFoundError, FileExistsError
+T, V, F, K, R = TypeError, ValueError, FileNotFoundError, FileExistsError, RuntimeError
 CASES = [
     # -- fit: arguments ------------------------------------------------------------------------
     ("fit-y-none", _fit(y=None), V, ["labels y", "y=None"]),
@@ -445,6 +457,9 @@ CASES = [
     ),
     # -- strategy ------------------------------------------------------------------------------
     ("run-not-callable", lambda env: env["strategy"].run(42), T, ["strategy.run(fn)", "int"]),
+    ("reduce-inside-run", lambda env: _inside_run(env, "reduce"), R, ["all_reduce('SUM'"]),
+    ("gather-inside-run", lambda env: _inside_run(env, "gather"), R, ["all_gather(value, 0)"]),
+    ("checkpoint-inside-run", lambda env: _inside_run(env, "save"), R, ["save_checkpoint"]),
     (
         "values-from-function-not-callable",
         lambda env: env["strategy"].experimental_distribute_values_from_function(42),
