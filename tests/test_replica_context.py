@@ -105,3 +105,16 @@ def test_default_replica_context_is_identity():
     ctx = mirrored.get_replica_context()
     assert ctx.replica_id_in_sync_group == 0
     assert ctx.all_reduce("SUM", 3.0) == 3.0
+
+
+def test_a_random_key_captured_by_the_step_is_warned(strategy, caplog):
+    """A captured key is a constant: the same mask on every replica and step (a review)."""
+    key = jax.random.key(0)
+
+    def noisy(x):
+        return x * jax.random.bernoulli(key, 0.5, x.shape)
+
+    ((x, _),) = strategy.experimental_distribute_dataset(global_batches(1, 16))
+    with caplog.at_level("WARNING", logger="mirrored"):
+        strategy.run(noisy, args=(x,))
+    assert "'noisy' captures the random key 'key'" in caplog.text and "fold_in" in caplog.text

@@ -46,6 +46,15 @@ def _holds_state(value: Any, is_mirrored: Callable[[Any], bool], *, depth: int =
     return False
 
 
+def is_random_key(value: Any) -> bool:
+    """A JAX random key: a typed key, or `jax.random.PRNGKey`'s uint32 pair."""
+    if not isinstance(value, jax.Array):
+        return False
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return True
+    return value.dtype == jax.numpy.uint32 and value.shape == (2,)
+
+
 def is_code_or_namespace(value: Any) -> bool:
     return isinstance(
         value,

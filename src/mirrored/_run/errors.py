@@ -521,3 +521,20 @@ def _warn_invariant_psums(fn_name: str, closed: Any) -> None:
             fn_name,
             REPLICA_AXIS,
         )
+
+
+def _warn_captured_keys(fn_name: str, keys: list[tuple[str, Any]]) -> None:
+    """A step that captures a random key compiles it in as a constant: every replica, and
+    every step, draws the same numbers (the same dropout mask on every shard)."""
+    if not keys:
+        return
+    logger.warning(
+        "%r captures the random key %s, compiled into the step as a constant: every replica "
+        "and every step draws the same random numbers. Fix: pass nnx.Rngs created inside "
+        "strategy.scope() as an argument (their streams differ per replica and advance every "
+        "step), or pass the key and fold in the replica and the step: jax.random.fold_in("
+        "jax.random.fold_in(key, step), mirrored.get_replica_context()"
+        ".replica_id_in_sync_group).",
+        fn_name,
+        ", ".join(repr(name) for name, _ in keys),
+    )

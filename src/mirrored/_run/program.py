@@ -37,6 +37,7 @@ from mirrored._run.errors import (
     _diverged_error,
     _output_array,
     _python_branch_error,
+    _warn_captured_keys,
     _warn_invariant_psums,
     _warn_per_replica_mean,
 )
@@ -129,6 +130,8 @@ def compile_step(
     recorded: dict[str, Any] = {}
     # The trace-time warnings, once per step function (an eager step traces every call).
     quiet = eager and _fn_key(fn) in target.eager_traced
+    if not quiet and n > 1:
+        _warn_captured_keys(fn_name, _capture.find_reachable(fn, _capture.is_random_key))
     checking = numerics.check_numerics_enabled()
     state_names = numerics._state_names(fn, args, kwargs, unique) if checking else []
     batch_names = (
