@@ -44,14 +44,21 @@ class _Keeps(mirrored.callbacks.Callback):
 def test_batch_logs_kept_by_a_callback_keep_their_batch(devices):
     """They all read the last batch's loss (and a stateful metric its last value) before;
     Keras' logs are a dict of that batch's values, which a callback may copy or change."""
+    import keras
+
     kept = _Keeps()
-    trainer = _trainer(devices, loss="mse", metrics=[mirrored.metrics.MeanSquaredError("m")])
+    stateful = keras.metrics.RootMeanSquaredError(name="rmse")  # its own state, summed
+    metrics = [mirrored.metrics.MeanSquaredError("m"), stateful]
+    trainer = _trainer(devices, loss="mse", metrics=metrics)
     trainer.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[kept])
     losses = [logs["loss"] for logs in kept.train]
     assert len(set(losses)) == 4, losses
-    trainer.evaluate(X, Y, batch_size=16, verbose=0, callbacks=[kept])
+    logs = trainer.evaluate(X, Y, batch_size=16, verbose=0, callbacks=[kept])
     running = [logs["m"] for logs in kept.test]
     assert len(set(running)) == 4, running
+    rmse = [logs["rmse"] for logs in kept.test]
+    assert len(set(rmse)) == 4 and rmse[-1] == logs["rmse"], rmse
+    assert rmse[0] == pytest.approx(np.sqrt(running[0]), rel=1e-5)  # batch 1 alone
     logs = kept.train[0]
     assert isinstance(logs, dict) and logs.copy() == dict(logs)
     logs["seen"] = 1.0

@@ -146,9 +146,20 @@ class Evaluation:
         return dataset, placed
 
     def _batch_logs(self, totals: Any) -> _Logs:
-        """A batch hook's logs: these sums and results, read only if a callback looks."""
-        results = tuple(metric.result() for metric in self._stateful)
-        return _Logs(functools.partial(self._read, totals, results=results))
+        """A batch hook's logs: these sums and the stateful metrics' state now (immutable
+        arrays: kept by reference, ~0.1 ms), their results computed only if a callback
+        looks, however late (computing them at every batch cost ~9 ms per metric)."""
+        # `nnx.split`'s state shares the Variables; mapped, it holds this batch's arrays
+        snapshots = tuple(
+            (graphdef, jax.tree.map(lambda a: a, state))
+            for graphdef, state in map(nnx.split, self._stateful)
+        )
+
+        def read() -> dict[str, Any]:
+            results = tuple(nnx.merge(*snapshot).result() for snapshot in snapshots)
+            return self._read(totals, results=results)
+
+        return _Logs(read)
 
     def _validate(
         self,
