@@ -14,6 +14,7 @@ import numpy as np
 
 from mirrored._core import settings as config
 from mirrored._core.values import PerReplica, StackedBatches, is_per_replica
+from mirrored._train.keras_objectives import is_keras
 
 if TYPE_CHECKING:
     from mirrored._data.input import DistributedDataset
@@ -63,10 +64,7 @@ class _PyDatasetEpochs:
 
     @classmethod
     def wrap(cls, x: Any, *, shuffle: bool, seed: int) -> Any:
-        keras = any(
-            c.__name__ == "PyDataset" and c.__module__.startswith("keras.") for c in type(x).__mro__
-        )
-        return cls(x, shuffle, seed) if keras else x
+        return cls(x, shuffle, seed) if is_keras(x, "PyDataset") else x
 
     def __len__(self) -> int:
         return len(self.source)

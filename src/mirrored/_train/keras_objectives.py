@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mirrored._core import context as _context
+from mirrored._core.global_rows import split_context
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._train import metrics as _metrics
 
 
-def _is_keras(value: Any, base: str) -> bool:
+def is_keras(value: Any, base: str) -> bool:
     """Whether `value` is an instance of Keras' class `base` (`Loss`, `Metric`, `R2Score`),
     without importing Keras."""
     return any(
@@ -51,11 +52,11 @@ def named(kind: str, name: str) -> Any:
 
 
 def is_keras_loss(value: Any) -> bool:
-    return _is_keras(value, "Loss")
+    return is_keras(value, "Loss")
 
 
 def is_keras_metric(value: Any) -> bool:
-    return _is_keras(value, "Metric")
+    return is_keras(value, "Metric")
 
 
 def is_plain_mean_wrapper(metric: Any) -> bool:
@@ -97,8 +98,8 @@ class KerasLoss:
     def terms(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any]:
         """(this replica's share, the global batch's loss): Keras' call with the weights."""
         share = self.keras(y_true, y_pred, sample_weight=sample_weight)
-        ctx = _context.current_replica_context()
-        if ctx is None or not ctx.in_spmd or not ctx.batch_is_split:
+        ctx = split_context()
+        if ctx is None:
             return share, share
         ctx.mark_replica_aware()  # a "sum" too: Keras' fit trains on the batch's sum
         return share, jax.lax.psum(share, REPLICA_AXIS)
@@ -144,7 +145,7 @@ class KerasMetric(_metrics.Metric):
         self._names: tuple[str, ...] = ()
         self._counts: tuple[bool, ...] = ()
         # IoU metrics of sparse labels flatten the labels and the weights alike
-        self._flattens = _is_keras(metric, "_IoUBase") and getattr(metric, "sparse_y_true", True)
+        self._flattens = is_keras(metric, "_IoUBase") and getattr(metric, "sparse_y_true", True)
         if _built(metric):
             self._add_states()
 
@@ -152,7 +153,7 @@ class KerasMetric(_metrics.Metric):
         self._names = tuple(f"state_{i}" for i in range(len(self._keras.variables)))
         # R2Score adds the labels' size to `num_samples` whatever the weights: a padded
         # batch's padded rows are taken back out of it
-        counting = _is_keras(self._keras, "R2Score")
+        counting = is_keras(self._keras, "R2Score")
         self._counts = tuple(counting and v.name == "num_samples" for v in self._keras.variables)
         for name, variable in zip(self._names, self._keras.variables, strict=True):
             setattr(self, name, self.add_variable(variable.shape, variable.dtype))

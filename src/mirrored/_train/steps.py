@@ -14,12 +14,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mirrored._core import context as _context
-from mirrored._core.global_rows import first_replica, is_per_example, on_global_rows
+from mirrored._core.global_rows import (
+    first_replica,
+    is_per_example,
+    on_global_rows,
+    split_context,
+)
 from mirrored._core.mesh import REPLICA_AXIS
 from mirrored._core.values import PerReplica, StackedBatches, is_per_replica
 from mirrored._optim.mixed_precision import LossScaleOptimizer
 from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._strategy.losses import compute_average_loss, weighted_losses
+from mirrored._train import metrics as _metrics
 from mirrored._train import objectives as _objectives
 from mirrored._train.batches import Chunk
 from mirrored._train.keras_objectives import KerasLoss, KerasMetric, MetricNotBuilt
@@ -333,26 +339,22 @@ def _masked_mean_terms(loss_fn: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, 
     labels' losses over the global batch's count of counted labels, as Keras divides by the
     valid entries (`apply_mask`). (This replica's share, the batch's loss.)"""
     losses, valid = loss_fn.masked(y, y_pred)
-    ctx = _context.current_replica_context()
-    counted = valid
-    if ctx is not None and ctx.example_mask is not None:  # a padded batch's padded rows
-        counted = counted * _per_row(ctx.example_mask.astype(jnp.float32), counted)
-    weighted = counted if w is None else counted * _per_row(jnp.asarray(w, jnp.float32), counted)
+    mask = _context.row_mask(losses)  # a padded batch's real rows
+    counted = valid if mask is None else valid * _per_row(mask.astype(jnp.float32), valid)
+    weighted = counted if w is None else counted * _per_row(jnp.asarray(w, jnp.float32), valid)
     total, count = jnp.sum(losses * weighted), jnp.sum(counted)
-    if ctx is not None and ctx.in_spmd and ctx.batch_is_split:
-        ctx.mark_replica_aware()
-        count = jax.lax.psum(count, REPLICA_AXIS)
-        share = total / jnp.maximum(count, 1.0)
-        return share, jax.lax.psum(share, REPLICA_AXIS)
-    share = total / jnp.maximum(count, 1.0)
-    return share, share
+    ctx = split_context()
+    if ctx is None:
+        return (share := total / jnp.maximum(count, 1.0)), share
+    ctx.mark_replica_aware()
+    share = total / jnp.maximum(jax.lax.psum(count, REPLICA_AXIS), 1.0)
+    return share, jax.lax.psum(share, REPLICA_AXIS)
 
 
 def _per_row(weights: Any, like: Any) -> Any:
-    """Per-row (or per-label) weights shaped to multiply `like` (rows first)."""
-    if weights.ndim == like.ndim + 1 and weights.shape[-1] == 1:  # (n, 1) for (n,)
-        weights = weights[..., 0]
-    return weights.reshape(weights.shape + (1,) * (like.ndim - weights.ndim))
+    """Per-row (or per-label) weights shaped to multiply `like` (rows first): Keras' rank
+    matching of weights to values."""
+    return _metrics._squeeze_or_expand(like, weights)[1]
 
 
 def _metric_terms(
