@@ -131,15 +131,16 @@ def _replica_loss(
         y_true = tree.map_structure(lambda x: ops.convert_to_tensor(x, dtype=loss.dtype), y_true)
         values = ops.convert_to_tensor(loss.call(y_true, y_pred), dtype=loss.dtype)
     out_mask = backend.get_keras_mask(values)
+    rows = tree.flatten(y_pred)[0].shape[0] if tree.flatten(y_pred) else None
+    if not is_per_example(values, rows):  # one number for the batch: of the global batch
+        ctx.mark_replica_aware()  # divided among the replicas below
+        value = on_global_rows(whole, y_true, y_pred, sample_weight, in_mask)
+        return value * (scale / ctx.num_replicas_in_sync)
     if loss.reduction != "sum" or scale != 1:
         # A mean's share is scaled for the sum over replicas; a "sum" is each replica's own
         # sum, which the step still has to divide by the GLOBAL batch (divided by the
         # replica's batch, it trains with N× the gradient): the step is warned about then.
         ctx.mark_replica_aware()
-    rows = tree.flatten(y_pred)[0].shape[0] if tree.flatten(y_pred) else None
-    if not is_per_example(values, rows):  # one number for the batch: of the global batch
-        value = on_global_rows(whole, y_true, y_pred, sample_weight, in_mask)
-        return value * (scale / ctx.num_replicas_in_sync)
     masks = [m for m in (in_mask, out_mask) if m is not None]
     element_mask = None
     if masks:

@@ -15,7 +15,12 @@ from mirrored._cluster import preemption
 from mirrored._core import coordination as _coordination
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
-from mirrored._train.callbacks.monitoring import _improved, _improved_for, _monitored
+from mirrored._train.callbacks.monitoring import (
+    _chief_print,
+    _improved,
+    _improved_for,
+    _monitored,
+)
 
 logger = logging.getLogger("mirrored")
 
@@ -104,8 +109,8 @@ class ModelCheckpoint(Callback):
         )
 
     def _say(self, message: str) -> None:
-        if self.verbose > 0 and _checkpoint.is_chief():
-            print(message)
+        if self.verbose > 0:
+            _chief_print(message)
 
 
 class BackupAndRestore(Callback):
