@@ -2,9 +2,11 @@
 
 Same model, data and Adam in one process, 1 and N simulated devices. `fit` runs with loss
 tracking (exact global sums, read once per epoch) on (a) batches already on the devices, like
-the other two, (b) in-memory arrays through the input fast path, and (c) the same arrays with
-`steps_per_execution=K` (K steps per compiled program, one dispatch per K; the arrays kept on
-the devices, and again (d) read from the host, K batches gathered at once). Prints JSON;
+the other two, (b) in-memory arrays through the input fast path with `steps_per_execution=1`,
+(c) the same arrays with `steps_per_execution=K` (K steps per compiled program, one dispatch
+per K; the arrays kept on the devices, and again (d) read from the host, K batches gathered
+at once), and (e) the default `steps_per_execution="auto"` after a warm-up fit long enough
+for it to build its K-step program. Prints JSON;
 ratios are against plain JAX (its batches already on the devices), and the `*_over_hand`
 ratios against a hand-written plain-JAX loop fed from the same NumPy arrays (issue 39's
 bar: per step it shuffles, gathers the batch rows, `device_put`s them and calls the step,
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default="seed_mlp,wide_mlp")
     parser.add_argument("--steps-per-execution", type=int, default=32)
+    parser.add_argument("--auto-warmup-epochs", type=int, default=20)
     args = parser.parse_args()
     mirrored.simulate_cpu_devices(args.devices)
 
@@ -88,7 +91,17 @@ def main() -> None:
             with strategy.scope():
                 model = MLP(hidden, rngs=nnx.Rngs(0))
                 trainer = mirrored.Trainer(
-                    model, optax.adam(1e-3), "sparse_categorical_crossentropy", from_logits=True
+                    model,
+                    optax.adam(1e-3),
+                    "sparse_categorical_crossentropy",
+                    from_logits=True,
+                    steps_per_execution=1,
+                )
+                auto = mirrored.Trainer(  # steps_per_execution="auto", the default
+                    MLP(hidden, rngs=nnx.Rngs(0)),
+                    optax.adam(1e-3),
+                    "sparse_categorical_crossentropy",
+                    from_logits=True,
                 )
             placed = list(strategy.experimental_distribute_dataset(host[:8]))
             placed_epoch = [placed[i % len(placed)] for i in range(steps)]
@@ -134,6 +147,14 @@ def main() -> None:
                 # over the budget): each execution's K batches gathered on the host at once.
                 return run_fit_multi(trainer, x, y, batch, keep="0")
 
+            def run_fit_auto(trainer=auto, x=x_all, y=y_all, batch=batch) -> float:
+                return run_fit_arrays(trainer, x, y, batch)
+
+            # A training run long enough for "auto" to build its K-step program (it does when
+            # the steps left take 10x the first step's compile); later fits reuse it.
+            auto.fit(x_all, y_all, batch_size=batch, epochs=args.auto_warmup_epochs, verbose=0)
+            chosen = [m.k for m in auto._auto_measured.values()]
+
             runs = {
                 "plain": run_plain,
                 "hand": run_hand,
@@ -142,6 +163,7 @@ def main() -> None:
                 "fit_arrays": run_fit_arrays,
                 "fit_multi": run_fit_multi,
                 "fit_multi_host": run_fit_multi_host,
+                "fit_auto": run_fit_auto,
             }
             for warm in runs.values():
                 warm()
@@ -168,6 +190,8 @@ def main() -> None:
                 "fit_from_arrays_over_hand": round(eps["fit_arrays"] / eps["hand"], 3),
                 "fit_multi_step_over_hand": round(eps["fit_multi"] / eps["hand"], 3),
                 "fit_multi_step_from_host_over_hand": round(eps["fit_multi_host"] / eps["hand"], 3),
+                "fit_auto_over_hand": round(eps["fit_auto"] / eps["hand"], 3),
+                "auto_chose_steps_per_execution": chosen,
                 "hand_noise_band": [
                     round(min(times["hand"]) / statistics.median(times["hand"]) - 1, 3),
                     round(max(times["hand"]) / statistics.median(times["hand"]) - 1, 3),

@@ -641,9 +641,9 @@ def test_fit_gathers_k_batches_at_once_from_the_host_with_the_same_numbers(monke
     used = []
     chunks = DistributedDataset.epoch_chunks
 
-    def recorded(self, epoch, steps, *, skip=0):
+    def recorded(self, epoch, steps, *, skip=0, whole=False):
         used.append(steps)
-        return chunks(self, epoch, steps, skip=skip)
+        return chunks(self, epoch, steps, skip=skip, whole=whole)
 
     weights = np.linspace(0.5, 1.5, len(X)).astype(np.float32)
     options = {"batch_size": 60, "sample_weight": weights, "seed": 5, "verbose": 0}
@@ -688,9 +688,9 @@ def test_the_next_epochs_batches_are_prepared_before_the_epoch_ends(monkeypatch,
         events.append(("iter", epoch, self))
         return iterator(self, epoch, skip=skip)
 
-    def recorded_chunks(self, epoch, steps, *, skip=0):  # K > 1 from the host: K at once
+    def recorded_chunks(self, epoch, steps, *, skip=0, whole=False):  # K > 1: K at once
         events.append(("iter", epoch, self))
-        return chunks(self, epoch, steps, skip=skip)
+        return chunks(self, epoch, steps, skip=skip, whole=whole)
 
     monkeypatch.setattr(DistributedDataset, "epoch_iterator", recorded)
     monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded_chunks)

@@ -129,9 +129,11 @@ def array_chunks(
     skip: int,
     num_replicas: int,
     processes: tuple[int, int],
+    whole: bool = False,
 ) -> Iterator[HostChunk]:
     """Epoch `epoch`'s batches of `arrays` from batch `skip` on, `steps` at a time (the last
-    chunk holds what is left): the rows, padding and masks of `array_batches`' batches with
+    chunk holds what is left; `whole`: chunks of `steps` only, what is left one batch a
+    chunk): the rows, padding and masks of `array_batches`' batches with
     `drop_remainder=False`, in the same order."""
     leaves, treedef = jax.tree.flatten(arrays)
     leaves = [np.asarray(x) for x in leaves]
@@ -141,8 +143,10 @@ def array_chunks(
     local = _batching.process_rows(total, *processes)
     width = local.stop - local.start
     starts = list(range(0, size, batch_size))[skip:]
-    for first in range(0, len(starts), steps):
-        group = starts[first : first + steps]
+    groups = [starts[first : first + steps] for first in range(0, len(starts), steps)]
+    if whole and groups and len(groups[-1]) < steps:
+        groups += [[start] for start in groups.pop()]
+    for group in groups:
         index = np.empty((len(group), width), np.int64)
         mask = np.zeros((len(group), width), bool)
         reals = []

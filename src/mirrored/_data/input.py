@@ -328,15 +328,18 @@ class DistributedDataset:
             placed = Prefetcher(placed, self._options.experimental_per_replica_buffer_size)
         return _InputPhase(placed)
 
-    def epoch_chunks(self, epoch: int, steps: int, *, skip: int = 0) -> Iterator[Any] | None:
+    def epoch_chunks(
+        self, epoch: int, steps: int, *, skip: int = 0, whole: bool = False
+    ) -> Iterator[Any] | None:
         """Epoch `epoch`'s batches (as `epoch_iterator`'s, from batch `skip` on), `steps` at a
-        time as `StackedBatches` for `strategy.run_steps`: each chunk gathered on the host in
-        one aligned buffer per leaf and placed in one transfer. None for a source other than
-        in-memory arrays given with `batch_size`, one that drops its ragged remainder, or K
-        batches over `chunks.CHUNK_BYTES`."""
+        time as `StackedBatches` for `strategy.run_steps` (`whole`: what is left after the
+        last full chunk one batch a chunk): each chunk gathered on the host in one aligned
+        buffer per leaf and placed in one transfer. None for a source other than in-memory
+        arrays given with `batch_size`, one that drops its ragged remainder, or K batches
+        over `chunks.CHUNK_BYTES`."""
         if self._chunks is None:
             return None
-        host = self._chunks(epoch, steps, skip)  # None: K batches are over `CHUNK_BYTES`
+        host = self._chunks(epoch, steps, skip, whole)  # None: K batches are over `CHUNK_BYTES`
         if host is None:
             return None
         place = functools.partial(_chunks.place, self._strategy, self._processes, self._masks)
@@ -492,7 +495,7 @@ def distribute_dataset(
             options=options,
             chunks=None
             if drop_remainder
-            else lambda epoch, k, skip: _chunks.bounded_chunks(
+            else lambda epoch, k, skip, whole: _chunks.bounded_chunks(
                 arrays,
                 batch_size=batch_size,
                 steps=k,
@@ -502,6 +505,7 @@ def distribute_dataset(
                 skip=skip,
                 num_replicas=n,
                 processes=processes,
+                whole=whole,
             ),
         )
     if shuffle:

@@ -267,3 +267,16 @@ def check_model_input(
         return
     if passed is not None:
         passed.add(key)
+
+
+def check_steps_per_execution(value: Any) -> bool:
+    """Whether `value` is "auto"; else it must be a positive int (raises otherwise)."""
+    if isinstance(value, str) and value == "auto":
+        return True
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"Expected steps_per_execution to be a positive int (steps compiled into one "
+            f"program) or 'auto'; found {value!r}. Fix: e.g. steps_per_execution=32, or "
+            "leave it unset ('auto')."
+        )
+    return False

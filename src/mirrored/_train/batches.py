@@ -109,9 +109,9 @@ class _Placed:
         del epoch
         return iter(self._batches[skip:])
 
-    def epoch_chunks(self, epoch: int, steps: int, *, skip: int = 0) -> None:
+    def epoch_chunks(self, epoch: int, steps: int, *, skip: int = 0, whole: bool = False) -> None:
         """Placed already: one at a time (`DistributedDataset.epoch_chunks`)."""
-        del epoch, steps, skip
+        del epoch, steps, skip, whole
 
 
 def pass_position(epoch: int, steps: int, batches: int) -> tuple[int, int]:
@@ -191,10 +191,13 @@ def _has_per_replica(value: Any) -> bool:
 Chunk = list[tuple[Any, ...]] | StackedBatches
 
 
-def _epoch_batches(train: DistributedDataset, epoch: int, skip: int, steps: int) -> Iterator[Any]:
+def _epoch_batches(
+    train: DistributedDataset, epoch: int, skip: int, steps: int, whole: bool = False
+) -> Iterator[Any]:
     """Epoch `epoch`'s batches from batch `skip` on; with `steps` > 0 and in-memory arrays,
-    `steps` at a time, each chunk gathered and placed at once (`epoch_chunks`)."""
-    chunks = train.epoch_chunks(epoch, steps, skip=skip) if steps else None
+    `steps` at a time, each chunk gathered and placed at once (`epoch_chunks`; `whole`: what
+    is left after the last full chunk, one batch a chunk)."""
+    chunks = train.epoch_chunks(epoch, steps, skip=skip, whole=whole) if steps else None
     return chunks if chunks is not None else train.epoch_iterator(epoch, skip=skip)
 
 

@@ -19,6 +19,7 @@ from mirrored._proof import profile as _profile
 from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
+from mirrored._train import auto_steps as _auto_steps
 from mirrored._train import objectives as _objectives
 from mirrored._train.batches import (
     Chunk,
@@ -30,7 +31,7 @@ from mirrored._train.batches import (
     _next_chunk,
     pass_position,
 )
-from mirrored._train.callbacks.base import Callback, History
+from mirrored._train.callbacks.base import Callback, History, _implements
 from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.resident import indices as _indices
 from mirrored._train.steps import _gathering, run_chunk
@@ -271,6 +272,10 @@ class FitLoop:
         # From the host, K steps per execution: K batches gathered and placed at once.
         k = self.steps_per_execution
         chunked = k if k > 1 and _is_arrays(x) and data is None and not checked else 0
+        fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
+        fixed |= any(c.reads_every_batch for c in callback_list.callbacks if _batch_hooks(c))
+        span = (first_epoch, first_step, epochs, steps if length is None else None)
+        read = _auto_steps.plan(self, train, (x, y, sample_weight), chunked, fixed, span)
         self.model.train()
         self._non_finite = None
         # check_numerics, if on, raises instead (the error it was asked for).
@@ -291,9 +296,7 @@ class FitLoop:
                     current = (passes, _epoch_batches(train, passes, skip, chunked))
                 batches = current[1]
             elif length is None or steps is None:
-                batches = (
-                    ahead if ahead is not None else _epoch_batches(train, epoch + 1, skip, chunked)
-                )
+                batches = ahead if ahead is not None else read.batches(epoch + 1, skip)
                 ahead = None
             else:
                 data_pass, position = pass_position(epoch, steps, length)
@@ -331,7 +334,7 @@ class FitLoop:
                 current = None  # the next epoch starts a new pass; a generator cannot
                 self.stop_training = _ran_out(step, steps, epoch, isinstance(x, Iterator))
             if read_ahead and epoch + 1 < epochs and not self.stop_training:
-                ahead = _epoch_batches(train, epoch + 2, 0, chunked)
+                ahead = read.batches(epoch + 2, 0)
             logs = self._read(self._train_totals)
             if validation_data is not None and validates(epoch + 1):
                 held = validation_batch_size or batch_size  # in_use: the training arrays stay
@@ -431,6 +434,12 @@ class FitLoop:
             _objectives.check_labels(self.loss, host, shape)
         if warning:
             logger.warning(warning)
+
+
+def _batch_hooks(callback: Callback) -> bool:
+    return _implements(callback, "on_train_batch_begin") or _implements(
+        callback, "on_train_batch_end"
+    )
 
 
 def _ran_out(step: int, steps: int, epoch: int, one_shot: bool) -> bool:

@@ -219,7 +219,11 @@ def run_chunk(
     shapes: padded each to its own length, as Keras' steps run them), else all in one
     program of `additions(*before, *after, batch)` (`strategy.run_steps`). A Keras metric
     sized by the data is built when the first trace meets it, before anything runs."""
-    if isinstance(chunk, list) and (steps_per_execution == 1 or not _one_shape(chunk)):
+    if isinstance(chunk, StackedBatches) and len(chunk) == 1:  # one step: its own program
+        chunk = [tuple(chunk.first)]
+    if isinstance(chunk, list) and (
+        steps_per_execution == 1 or len(chunk) == 1 or not _one_shape(chunk)
+    ):
         for batch in chunk:
             totals = strategy.run(step, args=(*before, totals, *after, *batch))
         return totals

@@ -21,6 +21,7 @@ from mirrored._optim.sharded import ShardedOptimizer
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._run.errors import peer_failures
 from mirrored._strategy.strategy import Strategy, get_strategy
+from mirrored._train import arguments as _arguments
 from mirrored._train import objectives as _objectives
 from mirrored._train import resident as _resident
 from mirrored._train.batches import (
@@ -80,7 +81,11 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
             `on_train_batch_begin` of each execution's first step and `on_train_batch_end`
             of its last, as in Keras. `evaluate` (and fit's validation) runs K steps per
             program too; `predict` runs one per program (its outputs go to the host every
-            batch; Keras runs K there as well).
+            batch; Keras runs K there as well). `"auto"` (the default; Keras' is 1): `fit`
+            on in-memory arrays that no callback reads batch by batch (the progress bar
+            aside) times its first steps and runs up to 32 per program when that pays
+            (same numbers; the choice is logged); otherwise, and in `evaluate` and
+            `predict`, one step per program. `1` asks for one step per program always.
         run_eagerly: Keras' argument: `fit`, `evaluate` and `predict` run their steps op by
             op, not compiled (`mirrored.config.run_functions_eagerly` for this trainer), for
             debugging with `print` and `breakpoint()` inside the loss or model; the same
@@ -115,7 +120,7 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
         global_clipnorm: float | None = None,
         gradient_accumulation_steps: int = 1,
         rngs: nnx.Rngs | None = None,
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = "auto",
         run_eagerly: bool = False,
         shard_optimizer_state: bool | str = False,
     ) -> None:
@@ -125,16 +130,9 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
                 "Trainer(..., run_eagerly=True) to debug the step op by op."
             )
         self.run_eagerly = run_eagerly
-        if (
-            not isinstance(steps_per_execution, int)
-            or isinstance(steps_per_execution, bool)
-            or steps_per_execution < 1
-        ):
-            raise ValueError(
-                f"Expected steps_per_execution to be a positive int (steps compiled into one "
-                f"program); found {steps_per_execution!r}. Fix: e.g. steps_per_execution=32."
-            )
-        self.steps_per_execution = steps_per_execution
+        # 'auto': fit chooses per input (`auto_steps`); evaluate and predict run one per program.
+        self._auto_steps = _arguments.check_steps_per_execution(steps_per_execution)
+        self.steps_per_execution = 1 if self._auto_steps else int(steps_per_execution)
         self.strategy = strategy or get_strategy()
         if rngs is not None:
             if not isinstance(rngs, nnx.Rngs):
@@ -192,6 +190,7 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
         self._non_finite = None
         self._dispatched = collections.deque(maxlen=4096)
         self._predictions_seen, self._device_data = {}, _resident.DeviceData()
+        self._auto_measured: dict[Any, Any] = {}  # steps_per_execution='auto': each input's step
         self._inputs_checked: set[Any] = set()  # check_model_input's, passed
 
     # -- state for checkpoints --------------------------------------------------------------

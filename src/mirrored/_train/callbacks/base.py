@@ -39,6 +39,10 @@ class Callback:
     # several processes the logs of a callback that may read them on one process only (say
     # the chief's print) are read on every process before it is called.
     logs_read_on_every_process = False
+    # True: a batch hook of this callback wants every batch (Keras' steps_per_execution=1),
+    # so `steps_per_execution="auto"` runs one step per program while it is given; False:
+    # it is as fine with K steps at a time (the progress bar, refreshed on a clock).
+    reads_every_batch = True
 
     def set_trainer(self, trainer: TrainerLike, params: dict[str, Any]) -> None:
         self.trainer = trainer

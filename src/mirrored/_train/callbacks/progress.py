@@ -40,6 +40,7 @@ class ProgbarLogger(Callback):
     """
 
     logs_read_on_every_process = True  # several processes: never read mid-epoch
+    reads_every_batch = False  # refreshed on a clock: fine with K steps at a time
 
     def __init__(self, verbose: int = 1, *, refresh_s: float = 0.25) -> None:
         self.verbose = verbose

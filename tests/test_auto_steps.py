@@ -1,0 +1,117 @@
+"""`Trainer(steps_per_execution="auto")`, the default (issue 39): `fit` times its first steps
+and, when nothing reads every batch and the steps left pay for one more program, runs K steps
+per program; the same batches, masks and numbers as one step per program."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from _helpers import adam_trainer, params_of
+from mirrored._train import auto_steps
+from mirrored.callbacks import Callback
+
+ROWS = 1003  # batch 16: 63 steps an epoch, the last of 11 rows (ragged on 8 replicas)
+_rng = np.random.default_rng(3)
+X = _rng.normal(size=(ROWS, 12)).astype(np.float32)
+Y = _rng.integers(0, 4, ROWS).astype(np.int32)
+W = _rng.uniform(0.2, 2.0, ROWS).astype(np.float32)
+
+
+@pytest.fixture
+def always_worth_it(monkeypatch):
+    """Any fit long enough to measure is long enough to pay for the K-step program."""
+    monkeypatch.setattr(auto_steps, "PAYBACK", 0)
+
+
+class BatchRecorder(Callback):
+    def __init__(self):
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
+
+
+def _fit(trainer, **options):
+    options = {"sample_weight": W, "batch_size": 16, "epochs": 2, "verbose": 0, **options}
+    return trainer.fit(X, Y, validation_data=(X[:40], Y[:40]), **options).history
+
+
+def _assert_same_logs(auto, one):
+    """The logs: the same sums, added in another order over an execution's steps."""
+    assert auto.keys() == one.keys()
+    for key, values in auto.items():
+        np.testing.assert_allclose(values, one[key], rtol=1e-6, err_msg=key)
+
+
+def _assert_same(auto, one):
+    expected = params_of(one.model)
+    for name, value in params_of(auto.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
+    replicas, always_worth_it, caplog
+):
+    """Ragged last batch (run one batch a chunk), sample weights, validation, a second fit
+    reusing the measured step (chunks from the epoch's start), 1 and 8 replicas."""
+    auto, one = adam_trainer(replicas), adam_trainer(replicas, steps_per_execution=1)
+    with caplog.at_level(logging.INFO, logger="mirrored"):
+        logs = _fit(auto)
+    _assert_same_logs(logs, _fit(one))
+    (measured,) = auto._auto_measured.values()
+    assert measured.k > 1 and measured.step_s > 0
+    assert f"fit: {measured.k} steps per program (steps_per_execution='auto'" in caplog.text
+    _assert_same(auto, one)
+    _assert_same_logs(_fit(auto, epochs=1, verbose=1), _fit(one, epochs=1))  # progress bar too
+    _assert_same(auto, one)
+
+
+def test_auto_keeps_one_step_a_program_for_a_callback_that_reads_every_batch(always_worth_it):
+    recorder = BatchRecorder()
+    trainer = adam_trainer(8)
+    _fit(trainer, callbacks=[recorder])
+    assert recorder.ends == list(range(63)) * 2  # every batch, as Keras' default
+    assert trainer._auto_measured == {}  # nothing measured: one step a program
+
+
+def test_auto_leaves_short_fits_and_an_explicit_one_alone(always_worth_it):
+    short = adam_trainer(8)
+    short.fit(X[:160], Y[:160], batch_size=16, epochs=2, verbose=0)
+    assert short._auto_measured == {}  # 20 steps: under MIN_STEPS, not measured
+    explicit = adam_trainer(8, steps_per_execution=1)
+    _fit(explicit)
+    assert explicit._auto_measured == {}
+
+
+def test_choose_pays_for_the_program_only_when_the_steps_left_do():
+    fast = auto_steps.Measured(step_s=0.001, compile_s=0.5)
+    assert auto_steps.choose(fast, steps_left=10_000) == 32  # 32 ms an execution
+    assert auto_steps.choose(fast, steps_left=1_000) == 1  # 1 s left < 10 x 0.5 s compile
+    slow = auto_steps.Measured(step_s=0.03, compile_s=0.0)
+    assert auto_steps.choose(slow, steps_left=10_000) == 4  # 120 ms an execution (< 0.2 s)
+    assert auto_steps.choose(auto_steps.Measured(0.15, 0.0), 10_000) == 1  # one step: 150 ms
+    built = auto_steps.Measured(step_s=0.001, compile_s=9.0, k=16)
+    assert auto_steps.choose(built, steps_left=5) == 16  # built already: nothing to pay
+
+
+def test_steps_per_execution_names_auto_in_its_error():
+    with pytest.raises(ValueError, match=r"or 'auto'; found 'fast'.*leave it unset"):
+        adam_trainer(1, steps_per_execution="fast")
+
+
+def test_auto_goes_back_to_one_step_a_program_when_k_steps_time_slower(
+    always_worth_it, monkeypatch, caplog
+):
+    """The second full K-step execution is timed against a step alone (here any time counts
+    as slower): the rest of the fit, and later fits, run one step per program; same numbers."""
+    monkeypatch.setattr(auto_steps, "SLOWER", 0.0)
+    auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    with caplog.at_level(logging.INFO, logger="mirrored"):
+        _assert_same_logs(_fit(auto, epochs=3), _fit(one, epochs=3))
+    (measured,) = auto._auto_measured.values()
+    assert (measured.k, measured.checked) == (1, True)
+    assert "fit: one step per program after all" in caplog.text
+    _assert_same(auto, one)
+    assert auto_steps.choose(measured, steps_left=10**6) == 1
