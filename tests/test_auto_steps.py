@@ -52,7 +52,7 @@ def _assert_same(auto, one):
 
 @pytest.mark.parametrize("replicas", [8, 1])
 def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
-    replicas, always_worth_it, caplog
+    replicas, always_worth_it, caplog, monkeypatch
 ):
     """Ragged last batch (run one batch a chunk), sample weights, validation, a second fit
     reusing the measured step (chunks from the epoch's start), 1 and 8 replicas."""
@@ -64,7 +64,14 @@ def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
     assert measured.k > 1 and measured.step_s > 0
     assert f"fit: {measured.k} steps per program (steps_per_execution='auto'" in caplog.text
     _assert_same(auto, one)
-    _assert_same_logs(_fit(auto, epochs=1, verbose=1), _fit(one, epochs=1))  # progress bar too
+    asked = []  # a fit under MIN_STEPS still runs the K-step program built already
+    epoch_batches = auto_steps._epoch_batches
+    monkeypatch.setattr(
+        auto_steps, "_epoch_batches", lambda *a: asked.append(a[3]) or epoch_batches(*a)
+    )
+    short = _fit(auto, epochs=1, verbose=1)  # the progress bar too
+    assert asked == [measured.k]
+    _assert_same_logs(short, _fit(one, epochs=1))
     _assert_same(auto, one)
 
 
@@ -89,9 +96,9 @@ def test_choose_pays_for_the_program_only_when_the_steps_left_do():
     fast = auto_steps.Measured(step_s=0.001, compile_s=0.5)
     assert auto_steps.choose(fast, steps_left=10_000) == 32  # 32 ms an execution
     assert auto_steps.choose(fast, steps_left=1_000) == 1  # 1 s left < 10 x 0.5 s compile
-    slow = auto_steps.Measured(step_s=0.03, compile_s=0.0)
-    assert auto_steps.choose(slow, steps_left=10_000) == 4  # 120 ms an execution (< 0.2 s)
-    assert auto_steps.choose(auto_steps.Measured(0.15, 0.0), 10_000) == 1  # one step: 150 ms
+    slow = auto_steps.Measured(step_s=0.3, compile_s=0.0)
+    assert auto_steps.choose(slow, steps_left=10_000) == 4  # 1.2 s an execution (< 2 s)
+    assert auto_steps.choose(auto_steps.Measured(1.5, 0.0), 10_000) == 1  # 2 steps: 3 s
     built = auto_steps.Measured(step_s=0.001, compile_s=9.0, k=16)
     assert auto_steps.choose(built, steps_left=5) == 16  # built already: nothing to pay
 
