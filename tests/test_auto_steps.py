@@ -94,13 +94,15 @@ def test_auto_leaves_short_fits_and_an_explicit_one_alone(always_worth_it):
 
 def test_choose_pays_for_the_program_only_when_the_steps_left_do():
     fast = auto_steps.Measured(step_s=0.001, compile_s=0.5)
-    assert auto_steps.choose(fast, steps_left=10_000) == 32  # 32 ms an execution
-    assert auto_steps.choose(fast, steps_left=1_000) == 1  # 1 s left < 10 x 0.5 s compile
+    assert auto_steps.choose(fast, 10_000, epoch_steps=200) == 28  # 7 x 28, 4 left
+    assert auto_steps.choose(fast, 10_000, epoch_steps=64) == 32
+    assert auto_steps.choose(fast, 10_000, epoch_steps=20) == 20  # one execution an epoch
+    assert auto_steps.choose(fast, 1_000, epoch_steps=200) == 1  # 1 s left < 10 x 0.5 s
     slow = auto_steps.Measured(step_s=0.3, compile_s=0.0)
-    assert auto_steps.choose(slow, steps_left=10_000) == 4  # 1.2 s an execution (< 2 s)
-    assert auto_steps.choose(auto_steps.Measured(1.5, 0.0), 10_000) == 1  # 2 steps: 3 s
+    assert auto_steps.choose(slow, 10_000, epoch_steps=20) == 5  # room for 6 (2 s): 4 x 5
+    assert auto_steps.choose(auto_steps.Measured(1.5, 0.0), 10_000, 20) == 1  # 2 steps: 3 s
     built = auto_steps.Measured(step_s=0.001, compile_s=9.0, k=16)
-    assert auto_steps.choose(built, steps_left=5) == 16  # built already: nothing to pay
+    assert auto_steps.choose(built, steps_left=5, epoch_steps=200) == 16  # nothing to pay
 
 
 def test_steps_per_execution_names_auto_in_its_error():
@@ -121,4 +123,4 @@ def test_auto_goes_back_to_one_step_a_program_when_k_steps_time_slower(
     assert (measured.k, measured.checked) == (1, True)
     assert "fit: one step per program after all" in caplog.text
     _assert_same(auto, one)
-    assert auto_steps.choose(measured, steps_left=10**6) == 1
+    assert auto_steps.choose(measured, steps_left=10**6, epoch_steps=63) == 1

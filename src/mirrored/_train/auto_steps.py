@@ -5,9 +5,9 @@ A step dispatched from Python on its own pays a fixed cost (the dispatch, one ba
 a time): on CPU a tenth to a third of a small model's step, more across simulated devices.
 K steps in one program (`strategy.run_steps`, K batches gathered at once) pay it once, with
 the same numbers. When nothing reads every batch (no callback with a batch hook but the
-progress bar, which refreshes on a clock), `fit` times its first steps and picks
-K = the largest power of two up to `MAX_STEPS` whose execution stays under `TARGET_S`, when
-the steps left are worth one more program's compile; else one step per program, as before.
+progress bar, which refreshes on a clock), `fit` times its first steps and picks the most
+steps up to `MAX_STEPS` an execution of `TARGET_S` holds, evened out over the epoch, when the
+steps left are worth one more program's compile; else one step per program, as before.
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ class Measured:
     checked: bool = False  # a K-step execution was timed against `step_s`
 
 
-def choose(measured: Measured, steps_left: int) -> int:
-    """The steps per execution for `steps_left` more steps of a step measured as `measured`."""
+def choose(measured: Measured, steps_left: int, epoch_steps: int) -> int:
+    """The steps per execution for `steps_left` more steps, epochs of `epoch_steps`, of a
+    step measured as `measured`: the most an execution of `TARGET_S` holds, evened out over
+    the epoch (200 steps with room for 32: 7 executions of 28, the 4 left one at a time)."""
     if measured.k > 1 or measured.checked:
         return measured.k  # built already (nothing more to pay), or timed slower (1)
-    k = 1
-    while k < MAX_STEPS and 2 * k * measured.step_s <= TARGET_S:
-        k *= 2
-    if k == 1 or steps_left * measured.step_s < PAYBACK * measured.compile_s:
+    most = min(MAX_STEPS, epoch_steps, int(TARGET_S / max(measured.step_s, 1e-9)))
+    if most < 2 or steps_left * measured.step_s < PAYBACK * measured.compile_s:
         return 1
-    return k
+    return epoch_steps // -(-epoch_steps // most)  # ceil(epoch / most) executions an epoch
 
 
 class AutoSteps:
@@ -81,12 +81,12 @@ class AutoSteps:
         key: Any,
         train: Any,
         wait: Callable[[], None],
-        steps_left: Callable[[int, int], int],
+        span: tuple[int, int, int, int],
     ) -> None:
         self._seen, self._key, self._train = seen, key, train
-        self._wait, self._steps_left = wait, steps_left
+        self._wait, self._span = wait, span
         measured = seen.get(key)
-        self.k = 0 if measured is None else self._chosen(measured, steps_left(0, 0), False)
+        self.k = 0 if measured is None else self._chosen(measured, span[0], span[1], False)
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """Epoch `epoch`'s (1-based) batches from batch `skip` on."""
@@ -111,7 +111,7 @@ class AutoSteps:
         measured = Measured(step_s=took[1], compile_s=max(took[0] - took[1], 0.0))
         self._seen[self._key] = measured
         skip += 1 + MEASURED_STEPS
-        self.k = self._chosen(measured, self._steps_left(epoch - 1, skip))
+        self.k = self._chosen(measured, epoch - 1, skip)
         if self.k == 1:
             yield from one
             return
@@ -150,9 +150,12 @@ class AutoSteps:
                 yield from _epoch_batches(self._train, epoch, skip, 0)
                 return
 
-    def _chosen(self, measured: Measured, steps_left: int, new: bool = True) -> int:
-        """The K for `steps_left` steps, logged when just measured or not the one built."""
-        k = choose(measured, steps_left)
+    def _chosen(self, measured: Measured, epoch: int, step: int, new: bool = True) -> int:
+        """The K from step `step` of epoch `epoch` (from 0) on, logged when just measured or
+        not the one built."""
+        _, _, epochs, epoch_steps = self._span
+        steps_left = (epochs - epoch) * epoch_steps - step
+        k = choose(measured, steps_left, epoch_steps)
         if not new and k == measured.k:
             return k
         measured.k = max(k, measured.k)
@@ -211,9 +214,5 @@ def plan(
         jax.block_until_ready(trainer._train_totals.global_value)
 
     return AutoSteps(
-        trainer._auto_measured,
-        key,
-        train,
-        wait,
-        lambda epoch, step: (epochs - epoch) * steps - step,
+        trainer._auto_measured, key, train, wait, (first_epoch, first_step, epochs, steps)
     )
