@@ -4,9 +4,13 @@ per program; the same batches, masks and numbers as one step per program."""
 
 import logging
 
+import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
+import mirrored
 from _helpers import adam_trainer, params_of
 from mirrored._train import auto_steps
 from mirrored.callbacks import Callback
@@ -124,3 +128,42 @@ def test_auto_goes_back_to_one_step_a_program_when_k_steps_time_slower(
     assert "fit: one step per program after all" in caplog.text
     _assert_same(auto, one)
     assert auto_steps.choose(measured, steps_left=10**6, epoch_steps=63) == 1
+
+
+class Noisy(nnx.Module):
+    """BatchNorm's statistics and call-time Dropout draws: state a K-step program carries."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(12, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.3)
+        self.out = nnx.Linear(16, 5, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x))), rngs=rngs))
+
+
+def test_auto_carries_dropout_draws_and_batch_statistics_as_one_step_a_program(always_worth_it):
+    def trained(steps_per_execution):
+        strategy = mirrored.MirroredStrategy(jax.devices()[:8])
+        with strategy.scope():
+            trainer = mirrored.Trainer(
+                Noisy(nnx.Rngs(0)),
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                rngs=nnx.Rngs(dropout=1),
+                steps_per_execution=steps_per_execution,
+            )
+        trainer.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+        assert bool(trainer._auto_measured) == (steps_per_execution == "auto")
+        state = nnx.state((trainer.model, trainer.rngs))
+        return [
+            np.asarray(
+                jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+            )
+            for a in jax.tree.leaves(state)
+        ]
+
+    for auto, one in zip(trained("auto"), trained(1), strict=True):
+        np.testing.assert_array_equal(auto, one)
