@@ -167,3 +167,13 @@ def test_auto_carries_dropout_draws_and_batch_statistics_as_one_step_a_program(a
 
     for auto, one in zip(trained("auto"), trained(1), strict=True):
         np.testing.assert_array_equal(auto, one)
+
+
+def test_auto_over_the_chunk_bytes_reads_one_batch_at_a_time(always_worth_it, monkeypatch):
+    """K batches over the chunks' byte limit come one at a time: the same numbers."""
+    from mirrored._data import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)
+    auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    _assert_same_logs(_fit(auto, epochs=3), _fit(one, epochs=3))
+    _assert_same(auto, one)

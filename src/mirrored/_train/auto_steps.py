@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from mirrored._core.settings import functions_run_eagerly
+from mirrored._core.values import StackedBatches
 from mirrored._train.batches import _epoch_batches
 
 logger = logging.getLogger("mirrored")
@@ -125,17 +126,19 @@ class AutoSteps:
         measured = self._seen[self._key]
         chunks = _epoch_batches(self._train, epoch, skip, self.k, True)
         for chunk in chunks:
-            if measured.checked or len(chunk) < self.k or not measured.built:
-                skip += len(chunk)
+            # A batch, not a chunk, when K batches are over `chunks.CHUNK_BYTES`.
+            size = len(chunk) if isinstance(chunk, StackedBatches) else 1
+            if measured.checked or size < self.k or not measured.built:
+                skip += size
                 yield chunk
-                measured.built |= len(chunk) == self.k
+                measured.built |= size == self.k
                 continue
             self._wait()  # the first chunk's program built and run: time this one alone
             start = time.perf_counter()
             yield chunk
             self._wait()
-            skip += len(chunk)
-            step_s = (time.perf_counter() - start) / len(chunk)
+            skip += size
+            step_s = (time.perf_counter() - start) / size
             measured.checked = True
             if step_s > SLOWER * measured.step_s:
                 logger.info(
