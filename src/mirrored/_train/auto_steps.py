@@ -186,7 +186,7 @@ class FixedSteps:
 def plan(
     trainer: Any,
     train: Any,
-    arrays: tuple[Any, ...],
+    inputs: tuple[Any, ...],
     chunked: int,
     fixed: bool,
     span: tuple[int, int, int, int | None],
@@ -194,8 +194,9 @@ def plan(
     """How `fit` reads its batches: `AutoSteps` under `steps_per_execution="auto"` unless
     `fixed` (not in-memory arrays read from the host, checked steps, or a callback reading
     every batch), in one process, compiled, for at least `MIN_STEPS` steps unless its K-step
-    program is built already (`span`: the first epoch, its first step, the end epoch and the
-    steps of each); else `FixedSteps(chunked)`."""
+    program is built already; else `FixedSteps(chunked)`. `inputs`: x, y, the weights and
+    the batch size; `span`: the first epoch, its first step, the end epoch and the steps of
+    each."""
     first_epoch, first_step, epochs, steps = span
     if (
         not trainer._auto_steps
@@ -207,8 +208,10 @@ def plan(
         or functions_run_eagerly()
     ):
         return FixedSteps(train, chunked)
+    *arrays, batch_size = inputs  # measured per batch size and example shapes and dtypes
     leaves, treedef = jax.tree.flatten(arrays)
-    key = (treedef, tuple((np.shape(a)[1:], str(np.asarray(a[:0]).dtype)) for a in leaves))
+    examples = tuple((np.shape(a)[1:], str(np.asarray(a[:0]).dtype)) for a in leaves)
+    key = (treedef, examples, batch_size)
     built = getattr(trainer._auto_measured.get(key), "k", 1) > 1  # a K-step program exists
     if not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS:
         return FixedSteps(train, 0)

@@ -275,7 +275,8 @@ class FitLoop:
         fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
         fixed |= any(c.reads_every_batch for c in callback_list.callbacks if _batch_hooks(c))
         span = (first_epoch, first_step, epochs, steps if length is None else None)
-        read = _auto_steps.plan(self, train, (x, y, sample_weight), chunked, fixed, span)
+        inputs = (x, y, sample_weight, batch_size)
+        read = _auto_steps.plan(self, train, inputs, chunked, fixed, span)
         self.model.train()
         self._non_finite = None
         # check_numerics, if on, raises instead (the error it was asked for).
