@@ -153,7 +153,7 @@ def main() -> None:
             # A training run long enough for "auto" to build its K-step program (it does when
             # the steps left take 10x the first step's compile); later fits reuse it.
             auto.fit(x_all, y_all, batch_size=batch, epochs=args.auto_warmup_epochs, verbose=0)
-            chosen = [m.k for m in auto._auto_measured.values()]
+            chosen = [m.built for m in auto._auto_measured.values()]
 
             runs = {
                 "plain": run_plain,

@@ -37,8 +37,12 @@ class BatchRecorder(Callback):
 
 
 def _fit(trainer, **options):
+    return _fit_on(trainer, x=X, y=Y, **options)
+
+
+def _fit_on(trainer, x, y, **options):
     options = {"sample_weight": W, "batch_size": 16, "epochs": 2, "verbose": 0, **options}
-    return trainer.fit(X, Y, validation_data=(X[:40], Y[:40]), **options).history
+    return trainer.fit(x, y, validation_data=(X[:40], Y[:40]), **options).history
 
 
 def _assert_same_logs(auto, one):
@@ -65,8 +69,8 @@ def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
         logs = _fit(auto)
     _assert_same_logs(logs, _fit(one))
     (measured,) = auto._auto_measured.values()
-    assert measured.k > 1 and measured.step_s > 0
-    assert f"fit: {measured.k} steps per program (steps_per_execution='auto'" in caplog.text
+    assert measured.built > 1 and measured.checked and measured.step_s > 0
+    assert f"fit: {measured.built} steps per program (steps_per_execution='auto'" in caplog.text
     _assert_same(auto, one)
     asked = []  # a fit under MIN_STEPS still runs the K-step program built already
     epoch_batches = auto_steps._epoch_batches
@@ -74,7 +78,7 @@ def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
         auto_steps, "_epoch_batches", lambda *a: asked.append(a[3]) or epoch_batches(*a)
     )
     short = _fit(auto, epochs=1, verbose=1)  # the progress bar too
-    assert asked == [measured.k]
+    assert asked == [measured.built]
     _assert_same_logs(short, _fit(one, epochs=1))
     _assert_same(auto, one)
 
@@ -105,8 +109,9 @@ def test_choose_pays_for_the_program_only_when_the_steps_left_do():
     slow = auto_steps.Measured(step_s=0.3, compile_s=0.0)
     assert auto_steps.choose(slow, 10_000, epoch_steps=20) == 5  # room for 6 (2 s): 4 x 5
     assert auto_steps.choose(auto_steps.Measured(1.5, 0.0), 10_000, 20) == 1  # 2 steps: 3 s
-    built = auto_steps.Measured(step_s=0.001, compile_s=9.0, k=16)
+    built = auto_steps.Measured(step_s=0.001, compile_s=9.0, built=16)
     assert auto_steps.choose(built, steps_left=5, epoch_steps=200) == 16  # nothing to pay
+    assert auto_steps.choose(built, steps_left=5, epoch_steps=10) == 1  # too long, not paid
 
 
 def test_steps_per_execution_names_auto_in_its_error():
@@ -114,20 +119,63 @@ def test_steps_per_execution_names_auto_in_its_error():
         adam_trainer(1, steps_per_execution="fast")
 
 
+@pytest.mark.parametrize("rows", [ROWS, 320])  # epochs of 63 steps; of 20, one execution
 def test_auto_goes_back_to_one_step_a_program_when_k_steps_time_slower(
-    always_worth_it, monkeypatch, caplog
+    rows, always_worth_it, monkeypatch, caplog
 ):
-    """The second full K-step execution is timed against a step alone (here any time counts
-    as slower): the rest of the fit, and later fits, run one step per program; same numbers."""
+    """The K-step execution after the one that built the program is timed against a step
+    alone (here any time counts as slower): the rest of the fit, and later fits, run one step
+    per program; the same numbers."""
     monkeypatch.setattr(auto_steps, "SLOWER", 0.0)
     auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    options = {"x": X[:rows], "y": Y[:rows], "sample_weight": W[:rows], "epochs": 4}
     with caplog.at_level(logging.INFO, logger="mirrored"):
-        _assert_same_logs(_fit(auto, epochs=3), _fit(one, epochs=3))
+        logs = _fit_on(auto, **options)
+    _assert_same_logs(logs, _fit_on(one, **options))
     (measured,) = auto._auto_measured.values()
-    assert (measured.k, measured.checked) == (1, True)
+    assert (measured.slower, measured.checked) == (True, True)
     assert "fit: one step per program after all" in caplog.text
     _assert_same(auto, one)
     assert auto_steps.choose(measured, steps_left=10**6, epoch_steps=63) == 1
+
+
+def test_auto_reads_the_next_epoch_ahead_and_rechooses_for_shorter_epochs(
+    always_worth_it, monkeypatch
+):
+    """The next epoch's chunks are asked for before this epoch's end is logged; a later fit
+    of epochs shorter than the K built chooses a K that fits them (the same numbers); a list
+    of sample weights is measured as an array."""
+    from mirrored._data.input import DistributedDataset
+
+    events = []
+    chunks = DistributedDataset.epoch_chunks
+
+    def recorded(self, epoch, steps, *, skip=0, whole=False):
+        events.append(("chunks", epoch, steps))
+        return chunks(self, epoch, steps, skip=skip, whole=whole)
+
+    class Ends(Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            events.append(("end", epoch + 1))
+
+    monkeypatch.setattr(DistributedDataset, "epoch_chunks", recorded)
+    auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    _fit(auto, epochs=3, callbacks=[Ends()])
+    k = auto._auto_measured[next(iter(auto._auto_measured))].built
+    assert events == [
+        ("chunks", 1, k),
+        ("chunks", 2, k),
+        ("end", 1),
+        ("chunks", 3, k),
+        ("end", 2),
+        ("end", 3),
+    ]
+    _fit(one, epochs=3)
+    events.clear()
+    short = {"x": X[:320], "y": Y[:320], "sample_weight": list(W[:320]), "epochs": 2}
+    _assert_same_logs(_fit_on(auto, **short), _fit_on(one, **short))
+    assert ("chunks", 1, 20) in events  # 20-step epochs: one execution each
+    _assert_same(auto, one)
 
 
 class Noisy(nnx.Module):
@@ -177,3 +225,18 @@ def test_auto_over_the_chunk_bytes_reads_one_batch_at_a_time(always_worth_it, mo
     auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
     _assert_same_logs(_fit(auto, epochs=3), _fit(one, epochs=3))
     _assert_same(auto, one)
+
+
+def test_backup_and_restore_saving_each_epoch_leaves_auto_on(always_worth_it, tmp_path):
+    """Its batch hook does nothing unless it saves every N steps or watches for preemption:
+    K steps per program then; with save_freq=N, one step per program (it counts batches)."""
+    from mirrored.callbacks import BackupAndRestore
+
+    auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    _fit(auto, epochs=3, callbacks=[BackupAndRestore(tmp_path / "a")])
+    _fit(one, epochs=3, callbacks=[BackupAndRestore(tmp_path / "b")])
+    assert next(iter(auto._auto_measured.values())).built > 1
+    _assert_same(auto, one)
+    every = adam_trainer(8)
+    _fit(every, epochs=3, callbacks=[BackupAndRestore(tmp_path / "c", save_freq=50)])
+    assert every._auto_measured == {}

@@ -47,34 +47,68 @@ MIN_STEPS = 64
 
 @dataclasses.dataclass
 class Measured:
-    """One input structure's measured step: a compiled step, and what the first one took
-    beyond it (its compile); `k`: the K whose program was built, if one was."""
+    """One input's measured step (per batch size and example shapes): a compiled step, and
+    what the first one took beyond it (its compile)."""
 
     step_s: float
     compile_s: float
-    k: int = 1
-    built: bool = False  # a K-step execution ran (its program was built)
-    checked: bool = False  # a K-step execution was timed against `step_s`
+    built: int = 0  # the K whose K-step program ran (was built), if any
+    checked: bool = False  # a built K's execution was timed against `step_s`
+    slower: bool = False  # ... and its steps took longer than one at a time
 
 
 def choose(measured: Measured, steps_left: int, epoch_steps: int) -> int:
     """The steps per execution for `steps_left` more steps, epochs of `epoch_steps`, of a
-    step measured as `measured`: the most an execution of `TARGET_S` holds, evened out over
-    the epoch (200 steps with room for 32: 7 executions of 28, the 4 left one at a time)."""
-    if measured.k > 1 or measured.checked:
-        return measured.k  # built already (nothing more to pay), or timed slower (1)
+    step measured as `measured`: the program built already if it fits, else the most an
+    execution of `TARGET_S` holds, evened out over the epoch (200 steps with room for 32: 7
+    executions of 28, the 4 left one at a time), if the steps left pay for its compile."""
+    if measured.slower:
+        return 1
     most = min(MAX_STEPS, epoch_steps, int(TARGET_S / max(measured.step_s, 1e-9)))
-    if most < 2 or steps_left * measured.step_s < PAYBACK * measured.compile_s:
+    if most < 2:
+        return 1
+    if 2 <= measured.built <= most:
+        return measured.built  # nothing more to build
+    if steps_left * measured.step_s < PAYBACK * measured.compile_s:
         return 1
     return epoch_steps // -(-epoch_steps // most)  # ceil(epoch / most) executions an epoch
 
 
+def _size(item: Any) -> int:
+    """The batches in one item of an epoch's iterator: a chunk's K, or one batch (K batches
+    over `chunks.CHUNK_BYTES` come one at a time)."""
+    return len(item) if isinstance(item, StackedBatches) else 1
+
+
+class _Epoch(Iterator[Any]):
+    """One epoch's batches, from a source `AutoSteps` may switch (one at a time, chunks of K)
+    at the position reached; made (its prefetch started) when the epoch is asked for."""
+
+    def __init__(self, auto: AutoSteps, epoch: int, skip: int) -> None:
+        self.auto, self.epoch, self.position = auto, epoch, skip
+        self.source = auto._source(epoch, skip)
+        self.handed = 0.0  # when the last item was handed out
+
+    def __next__(self) -> Any:
+        item = next(self.source)
+        self.position += _size(item)
+        self.handed = time.perf_counter()
+        return item
+
+    def switch(self) -> None:
+        """Read the rest of the epoch with the steps per execution chosen now."""
+        getattr(self.source, "close", lambda: None)()
+        self.source = self.auto._source(self.epoch, self.position)
+
+
 class AutoSteps:
-    """One `fit`'s batches under `steps_per_execution="auto"`: the first epoch's first
-    `1 + MEASURED_STEPS` steps one at a time and timed (`wait` waits for the last dispatched
-    step), then the chosen K at a time for the rest of the fit (chunks of K, what is left of
-    an epoch one batch a chunk: no program for another length), the first K-step execution
-    after the one that built its program timed against one step at a time."""
+    """One `fit`'s batches under `steps_per_execution="auto"`. `ran(item)`, after each
+    dispatch, drives it: the first `1 + MEASURED_STEPS` steps run one at a time and are timed
+    (`wait` waits for the last dispatched step), then the chosen K at a time (chunks of K,
+    what is left of an epoch one batch a chunk: no program for another length); the first K
+    execution after the one that built its program is timed against a step alone, and if
+    its steps are slower the fit goes back to one at a time (XLA can run a loop's body
+    slower than the step by itself)."""
 
     def __init__(
         self,
@@ -86,72 +120,73 @@ class AutoSteps:
     ) -> None:
         self._seen, self._key, self._train = seen, key, train
         self._wait, self._span = wait, span
+        self._epoch: _Epoch | None = None  # the epoch being read
+        self._taken: list[float] = []  # the measuring steps' times
+        self._singles = 0  # steps run one at a time while measuring
+        self._timing = False  # the next full chunk is timed
         measured = seen.get(key)
         self.k = 0 if measured is None else self._chosen(measured, span[0], span[1], False)
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """Epoch `epoch`'s (1-based) batches from batch `skip` on."""
-        if self.k == 0:
-            return self._measuring(epoch, skip)
-        if self.k == 1:
-            return _epoch_batches(self._train, epoch, skip, 0)
-        return self._checking(epoch, skip)
+        self._epoch = _Epoch(self, epoch, skip)
+        return self._epoch
 
-    def _measuring(self, epoch: int, skip: int) -> Iterator[Any]:
-        one = self._train.epoch_iterator(epoch, skip=skip)
-        took = []
-        for steps in (1, MEASURED_STEPS):  # the first (its compile), then a few in a row
-            start = time.perf_counter()
-            for _ in range(steps):
-                batch = next(one, None)
-                if batch is None:
-                    return
-                yield batch
-            self._wait()  # the steps fit dispatched after taking the batches, finished
-            took.append((time.perf_counter() - start) / steps)
-        measured = Measured(step_s=took[1], compile_s=max(took[0] - took[1], 0.0))
-        self._seen[self._key] = measured
-        skip += 1 + MEASURED_STEPS
-        self.k = self._chosen(measured, epoch - 1, skip)
-        if self.k == 1:
-            yield from one
+    def _source(self, epoch: int, skip: int) -> Iterator[Any]:
+        k = self.k if self.k > 1 else 0  # 0 (measuring) and 1: one at a time
+        return _epoch_batches(self._train, epoch, skip, k, True)
+
+    def ran(self, item: Any) -> None:
+        """After `item` (a batch or a chunk of the epoch being read) was dispatched."""
+        current = self._epoch
+        if current is None:
             return
-        getattr(one, "close", lambda: None)()
-        yield from self._checking(epoch, skip)
+        if self.k == 0:
+            self._measure(current)
+        elif self.k > 1 and _size(item) == self.k:
+            self._check(current)
+        elif self._timing:
+            self._wait()  # the chunk to time starts on idle devices
 
-    def _checking(self, epoch: int, skip: int) -> Iterator[Any]:
-        """Chunks of K; the first full one after the one that built its program is timed
-        (once per input) and, if its steps are slower than one at a time, the rest of the fit
-        runs one step per program (XLA can run a loop's body slower than the step alone)."""
-        measured = self._seen[self._key]
-        chunks = _epoch_batches(self._train, epoch, skip, self.k, True)
-        for chunk in chunks:
-            # A batch, not a chunk, when K batches are over `chunks.CHUNK_BYTES`.
-            size = len(chunk) if isinstance(chunk, StackedBatches) else 1
-            if measured.checked or size < self.k or not measured.built:
-                skip += size
-                yield chunk
-                measured.built |= size == self.k
-                continue
-            self._wait()  # the first chunk's program built and run: time this one alone
-            start = time.perf_counter()
-            yield chunk
+    def _measure(self, current: _Epoch) -> None:
+        if not self._taken:  # the first step: its compile included
             self._wait()
-            skip += size
-            step_s = (time.perf_counter() - start) / size
-            measured.checked = True
-            if step_s > SLOWER * measured.step_s:
-                logger.info(
-                    "fit: one step per program after all (steps_per_execution='auto': %d "
-                    "steps in one took %.2f ms a step, one at a time %.2f ms)",
-                    self.k,
-                    1e3 * step_s,
-                    1e3 * measured.step_s,
-                )
-                measured.k = self.k = 1
-                getattr(chunks, "close", lambda: None)()
-                yield from _epoch_batches(self._train, epoch, skip, 0)
-                return
+            self._taken.append(time.perf_counter() - current.handed)
+            self._start = time.perf_counter()
+            return
+        self._singles += 1
+        if self._singles < MEASURED_STEPS:
+            return
+        self._wait()
+        step_s = (time.perf_counter() - self._start) / MEASURED_STEPS
+        measured = Measured(step_s=step_s, compile_s=max(self._taken[0] - step_s, 0.0))
+        self._seen[self._key] = measured
+        self.k = self._chosen(measured, current.epoch - 1, current.position)
+        if self.k > 1:
+            current.switch()
+
+    def _check(self, current: _Epoch) -> None:
+        measured = self._seen[self._key]
+        if not self._timing:
+            measured.built = self.k  # built (now or before): time the next one, once
+            self._timing = not measured.checked
+            if self._timing:
+                self._wait()
+            return
+        self._timing = False
+        self._wait()
+        step_s = (time.perf_counter() - current.handed) / self.k
+        measured.checked = True
+        if step_s > SLOWER * measured.step_s:
+            logger.info(
+                "fit: one step per program after all (steps_per_execution='auto': %d steps "
+                "in one took %.2f ms a step, one at a time %.2f ms)",
+                self.k,
+                1e3 * step_s,
+                1e3 * measured.step_s,
+            )
+            measured.slower, self.k = True, 1
+            current.switch()
 
     def _chosen(self, measured: Measured, epoch: int, step: int, new: bool = True) -> int:
         """The K from step `step` of epoch `epoch` (from 0) on, logged when just measured or
@@ -159,9 +194,8 @@ class AutoSteps:
         _, _, epochs, epoch_steps = self._span
         steps_left = (epochs - epoch) * epoch_steps - step
         k = choose(measured, steps_left, epoch_steps)
-        if not new and k == measured.k:
+        if not new and (k == measured.built or (k == 1 and not measured.built) or measured.slower):
             return k
-        measured.k = max(k, measured.k)
         logger.info(
             "fit: %s (steps_per_execution='auto': a step takes %.2f ms, its compile about %.2f "
             "s, %d steps left; pass steps_per_execution=K to choose)",
@@ -173,6 +207,15 @@ class AutoSteps:
         return k
 
 
+def _signature(value: Any) -> Any:
+    """The structure, per-example shapes and dtypes of `value` (arrays, a tree of them, or
+    a list of numbers)."""
+    leaves, treedef = jax.tree.flatten(value)
+    if not all(hasattr(a, "dtype") and len(getattr(a, "shape", ())) for a in leaves):
+        leaves, treedef = jax.tree.flatten(np.asarray(value))  # numbers: one array
+    return treedef, tuple((tuple(a.shape[1:]), str(a.dtype)) for a in leaves)
+
+
 class FixedSteps:
     """The batches of a `fit` whose steps per execution are set (K, or 0: one at a time)."""
 
@@ -182,6 +225,9 @@ class FixedSteps:
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         return _epoch_batches(self._train, epoch, skip, self.k)
 
+    def ran(self, item: Any) -> None:
+        del item
+
 
 def plan(
     trainer: Any,
@@ -189,15 +235,15 @@ def plan(
     inputs: tuple[Any, ...],
     chunked: int,
     fixed: bool,
-    span: tuple[int, int, int, int | None],
+    span: tuple[int, int, int, int | None, int | None],
 ) -> AutoSteps | FixedSteps:
     """How `fit` reads its batches: `AutoSteps` under `steps_per_execution="auto"` unless
     `fixed` (not in-memory arrays read from the host, checked steps, or a callback reading
     every batch), in one process, compiled, for at least `MIN_STEPS` steps unless its K-step
-    program is built already; else `FixedSteps(chunked)`. `inputs`: x, y, the weights and
-    the batch size; `span`: the first epoch, its first step, the end epoch and the steps of
-    each."""
-    first_epoch, first_step, epochs, steps = span
+    program is built already; else `FixedSteps(chunked)`. `inputs`: x, y and the weights;
+    `span`: the first epoch, its first step, the end epoch, the steps of each and the batch
+    size."""
+    first_epoch, first_step, epochs, steps, batch_size = span
     if (
         not trainer._auto_steps
         or chunked
@@ -208,11 +254,9 @@ def plan(
         or functions_run_eagerly()
     ):
         return FixedSteps(train, chunked)
-    *arrays, batch_size = inputs  # measured per batch size and example shapes and dtypes
-    leaves, treedef = jax.tree.flatten(arrays)
-    examples = tuple((np.shape(a)[1:], str(np.asarray(a[:0]).dtype)) for a in leaves)
-    key = (treedef, examples, batch_size)
-    built = getattr(trainer._auto_measured.get(key), "k", 1) > 1  # a K-step program exists
+    # Measured per batch size and the examples' shapes and dtypes.
+    key = (tuple(_signature(a) for a in inputs), batch_size)
+    built = getattr(trainer._auto_measured.get(key), "built", 0) > 1  # a K program exists
     if not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS:
         return FixedSteps(train, 0)
 

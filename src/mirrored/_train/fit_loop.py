@@ -274,9 +274,8 @@ class FitLoop:
         chunked = k if k > 1 and _is_arrays(x) and data is None and not checked else 0
         fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
         fixed |= any(c.reads_every_batch for c in callback_list.callbacks if _batch_hooks(c))
-        span = (first_epoch, first_step, epochs, steps if length is None else None)
-        inputs = (x, y, sample_weight, batch_size)
-        read = _auto_steps.plan(self, train, inputs, chunked, fixed, span)
+        span = (first_epoch, first_step, epochs, steps if length is None else None, batch_size)
+        read = _auto_steps.plan(self, train, (x, y, sample_weight), chunked, fixed, span)
         self.model.train()
         self._non_finite = None
         # check_numerics, if on, raises instead (the error it was asked for).
@@ -324,6 +323,7 @@ class FitLoop:
                         )
                     self._check_first_batch(first, y)
                 self._train_checked(chunk, data, epoch, step, checked_steps)
+                read.ran(chunk)
                 step += len(chunk)
                 if per_step:
                     callback_list.on_train_batch_end(

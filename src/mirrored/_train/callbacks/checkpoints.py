@@ -198,6 +198,12 @@ class BackupAndRestore(Callback):
         self._steps_done = latest
         logger.info("BackupAndRestore: resuming at epoch %d, step %d", epoch + 1, step)
 
+    @property
+    def reads_every_batch(self) -> bool:  # type: ignore[override]
+        """Only when saving every `save_freq` steps or counting them for a preemption notice
+        (else its batch hook does nothing: `steps_per_execution="auto"` may run K at once)."""
+        return self.save_freq not in ("epoch", False) or self.save_before_preemption
+
     def on_train_batch_end(self, batch: int, logs: Mapping[str, float] | None = None) -> None:
         if self.save_freq not in ("epoch", False) and (batch + 1) % int(self.save_freq) == 0:
             self._save(self.trainer._epoch, batch + 1)
