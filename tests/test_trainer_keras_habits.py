@@ -228,3 +228,17 @@ def test_the_keras_model_methods_a_callback_reads(devices, tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(trainer.get_weights(), trained, strict=True))
     with pytest.raises(ValueError, match="Nothing was changed"):
         trainer.set_weights(before[:1])
+
+
+def test_jax_arrays_as_x_and_y_train_as_numpy_arrays_do(devices):
+    """Keras on JAX takes jnp arrays as fit's x and y; they crashed the shuffled gather (its
+    out= buffer): the same numbers as NumPy's, fit, evaluate and predict."""
+    import jax.numpy as jnp
+
+    runs = []
+    for x, y in [(X, Y), (jnp.asarray(X), jnp.asarray(Y))]:
+        trainer = _trainer(devices, loss="mse", steps_per_execution=1)
+        history = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+        runs.append((history, trainer.evaluate(x, y), trainer.predict(x, batch_size=16)))
+    assert runs[0][:2] == runs[1][:2]
+    np.testing.assert_array_equal(runs[0][2], runs[1][2])

@@ -474,7 +474,9 @@ def distribute_dataset(
                 "batches, which gives its own batch size. Fix: drop batch_size= (each item "
                 "is one global batch)."
             )
-        arrays = jax.tree.map(_batching.as_host_array, dataset)
+        # NumPy once (JAX arrays given as x or y included: the gathers write into aligned
+        # host buffers, which `jnp.take` refuses).
+        arrays = jax.tree.map(lambda a: np.asarray(_batching.as_host_array(a)), dataset)
         size = _batching.leading_size(jax.tree.leaves(arrays))
         if size == 0:
             raise ValueError("Expected a non-empty dataset; found arrays with 0 rows.")
