@@ -121,7 +121,8 @@ class AutoSteps:
         self._seen, self._key, self._train = seen, key, train
         self._wait, self._span = wait, span
         self._epoch: _Epoch | None = None  # the epoch being read
-        self._taken: list[float] = []  # the measuring steps' times
+        self._first_s: float | None = None  # the first step's time, its compile included
+        self._start = 0.0  # when the steps timed in a row began
         self._singles = 0  # steps run one at a time while measuring
         self._timing = False  # the next full chunk is timed
         measured = seen.get(key)
@@ -149,9 +150,9 @@ class AutoSteps:
             self._wait()  # the chunk to time starts on idle devices
 
     def _measure(self, current: _Epoch) -> None:
-        if not self._taken:  # the first step: its compile included
+        if self._first_s is None:  # the first step: its compile included
             self._wait()
-            self._taken.append(time.perf_counter() - current.handed)
+            self._first_s = time.perf_counter() - current.handed
             self._start = time.perf_counter()
             return
         self._singles += 1
@@ -159,7 +160,7 @@ class AutoSteps:
             return
         self._wait()
         step_s = (time.perf_counter() - self._start) / MEASURED_STEPS
-        measured = Measured(step_s=step_s, compile_s=max(self._taken[0] - step_s, 0.0))
+        measured = Measured(step_s=step_s, compile_s=max(self._first_s - step_s, 0.0))
         self._seen[self._key] = measured
         self.k = self._chosen(measured, current.epoch - 1, current.position)
         if self.k > 1:

@@ -31,7 +31,7 @@ from mirrored._train.batches import (
     _next_chunk,
     pass_position,
 )
-from mirrored._train.callbacks.base import Callback, History, _implements
+from mirrored._train.callbacks.base import Callback, History
 from mirrored._train.callbacks.callback_list import CallbackList
 from mirrored._train.resident import indices as _indices
 from mirrored._train.steps import _gathering, run_chunk
@@ -252,9 +252,8 @@ class FitLoop:
         self.stop_training = False
         self._start = None
         self._interrupted = True
-        per_step = callback_list.overrides("on_train_batch_begin") or callback_list.overrides(
-            "on_train_batch_end"
-        )
+        hooked = callback_list.with_train_batch_hooks()
+        per_step = bool(hooked)
         callback_list.on_train_begin({})
         logs: dict[str, float] = {}
         first_epoch, first_step = self._start or (initial_epoch, 0)
@@ -273,7 +272,7 @@ class FitLoop:
         k = self.steps_per_execution
         chunked = k if k > 1 and _is_arrays(x) and data is None and not checked else 0
         fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
-        fixed |= any(c.reads_every_batch for c in callback_list.callbacks if _batch_hooks(c))
+        fixed |= any(c.reads_every_batch for c in hooked)
         span = (first_epoch, first_step, epochs, steps if length is None else None, batch_size)
         read = _auto_steps.plan(self, train, (x, y, sample_weight), chunked, fixed, span)
         self.model.train()
@@ -435,12 +434,6 @@ class FitLoop:
             _objectives.check_labels(self.loss, host, shape)
         if warning:
             logger.warning(warning)
-
-
-def _batch_hooks(callback: Callback) -> bool:
-    return _implements(callback, "on_train_batch_begin") or _implements(
-        callback, "on_train_batch_end"
-    )
 
 
 def _ran_out(step: int, steps: int, epoch: int, one_shot: bool) -> bool:

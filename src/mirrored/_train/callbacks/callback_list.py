@@ -39,6 +39,11 @@ class CallbackList:
         """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
         return any(_implements(c, hook) for c in self.callbacks)
 
+    def with_train_batch_hooks(self) -> list[Callback]:
+        """The callbacks that implement `on_train_batch_begin` or `on_train_batch_end`."""
+        hooks = ("on_train_batch_begin", "on_train_batch_end")
+        return [c for c in self.callbacks if any(_implements(c, h) for h in hooks)]
+
     def __getattr__(self, hook: str) -> Any:
         if hook.startswith("__"):
             raise AttributeError(hook)
