@@ -40,6 +40,16 @@ class KillAt(mirrored.callbacks.Callback):
         print(f"batches run {self.done}", flush=True)
 
 
+class Reads(mirrored.callbacks.Callback):
+    """Reads every batch's loss (an all-reduce), given to one process only."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+
+
 class ChiefReads(mirrored.callbacks.Callback):
     """A batch's logs read on the chief alone, as a user's print would be (the read is an
     all-reduce: before, the chief ran it alone and the job hung)."""
@@ -231,6 +241,52 @@ def main():
     same = same and all(np.array_equal(stacked_model[k], single_model[k]) for k in single_model)
     print(f"run_steps at once {at_once._steps} equal {same}", flush=True)
 
+    # 5d. steps_per_execution="auto" on several processes: every process runs the K the
+    # chief's times chose, on the same steps; the numbers of one step per program. Then a
+    # K-step execution the chief finds slower (here its margin is 0, the other's 1e9): every
+    # process goes back together. A callback reading every batch's logs on one process only
+    # (before: that process ran the read's all-reduce alone, and gloo aborted the job): every
+    # process runs one step per program and reads each batch's logs.
+    from mirrored._train import auto_steps
+
+    auto_steps.PAYBACK = 0  # any fit long enough to measure pays for its K-step program
+    ax = np.random.default_rng(4).normal(size=(300, 12)).astype(np.float32)  # 38 steps of 8
+    ay = np.random.default_rng(5).integers(0, 5, 300).astype(np.int32)
+    aw = np.linspace(0.5, 1.5, 300).astype(np.float32)
+
+    def auto_fit(spe="auto", callbacks=()):
+        with strategy.scope():
+            trainer = mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(0)),
+                optax.adam(0.01),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+                steps_per_execution=spe,
+            )
+        history = trainer.fit(
+            ax, ay, batch_size=8, sample_weight=aw, epochs=2, verbose=0, callbacks=callbacks
+        )
+        return trainer, history.history
+
+    auto, auto_history = auto_fit()
+    one, one_history = auto_fit(1)
+    (measured,) = auto._auto_measured.values()
+    same = flat(auto.model).keys() == flat(one.model).keys()
+    same = same and all(np.array_equal(v, flat(one.model)[k]) for k, v in flat(auto.model).items())
+    same = same and np.allclose(auto_history["loss"], one_history["loss"], rtol=1e-6)
+    print(f"auto chose {measured.built} step {measured.step_s!r} equal {same}", flush=True)
+    auto_steps.SLOWER = 0.0 if strategy.is_chief else 1e9
+    reverted, _ = auto_fit()
+    (measured,) = reverted._auto_measured.values()
+    print(f"auto reverted {measured.slower} after {measured.built}", flush=True)
+    reads = Reads()
+    one_sided, _ = auto_fit(callbacks=[] if strategy.is_chief else [reads])
+    print(
+        f"auto beside a per-batch callback {dict(one_sided._auto_measured)} "
+        f"read {len(reads.losses)}",
+        flush=True,
+    )
+
     if strategy.is_chief:
         # A strategy over the chief's own devices (its evaluation, say): its first step has
         # no other process to agree with (before: a broadcast over every process, run by the
@@ -244,6 +300,7 @@ def main():
         print(f"chief alone trained on {own.num_replicas_in_sync} replicas", flush=True)
         arrays = {f"loop/{k}": v for k, v in loop.items()}
         arrays.update({f"fit_k3/{k}": v for k, v in flat(chunked).items()})
+        arrays.update({f"fit_auto/{k}": v for k, v in flat(auto.model).items()})
         arrays["fit_k3_loss"] = np.asarray(k_history.history["loss"])
         arrays.update({f"unseeded/{k}": v for k, v in flat(unseeded).items()})
         arrays["dff_counts"] = np.asarray(counts)

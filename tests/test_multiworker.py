@@ -157,6 +157,17 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     # run_steps over in-memory arrays gathers K batches at once on each process.
     assert "[rank 0] run_steps at once 3 equal True" in stdout
     assert "[rank 1] run_steps at once 3 equal True" in stdout
+    # steps_per_execution="auto": both processes ran the K the chief's times chose (the same
+    # K, from the same measured step), with one step per program's numbers; a K found slower
+    # by the chief sent both back to one step per program.
+    chose = re.findall(r"\[rank (\d)\] auto chose (\d+) step (\S+) equal True", stdout)
+    assert sorted(rank for rank, _, _ in chose) == ["0", "1"], per_rank_tails(stdout)
+    assert chose[0][1:] == chose[1][1:] and int(chose[0][1]) > 1
+    reverted = re.findall(r"\[rank (\d)\] auto reverted True after (\d+)", stdout)
+    assert len(reverted) == 2 and reverted[0][1] == reverted[1][1] and int(reverted[0][1]) > 1
+    # A callback reading every batch's logs on rank 1 only: nothing measured on either.
+    assert "[rank 0] auto beside a per-batch callback {} read 0" in stdout
+    assert "[rank 1] auto beside a per-batch callback {} read 76" in stdout
     assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, per_rank_tails(one.stdout)

@@ -58,15 +58,22 @@ class Exchange:
 _chief_rounds: list[Exchange] = []  # one for the job's decisions, made on first use
 
 
+def everyones(value: str) -> list[str]:
+    """Every process's `value`, in rank order (`[value]` in a job of one).
+
+    Every process must call it at the same point of the program, as a collective."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    if not _chief_rounds:
+        _chief_rounds.append(Exchange("mirrored/chief", jax.process_count(), jax.process_index()))
+    return _chief_rounds[0](value)
+
+
 def chiefs(value: str) -> str:
     """The chief's `value`, on every process of the job (`value` itself in a job of one).
 
     For a decision that a process's own view could get wrong (a file listing, a clock):
     every process must call it at the same point of the program, as a collective."""
-    import jax
-
-    if jax.process_count() == 1:
-        return value
-    if not _chief_rounds:
-        _chief_rounds.append(Exchange("mirrored/chief", jax.process_count(), jax.process_index()))
-    return _chief_rounds[0](value)[0]
+    return everyones(value)[0]

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrored._core import coordination as _coordination
 from mirrored._core.settings import functions_run_eagerly
 from mirrored._core.values import StackedBatches
 from mirrored._train.batches import _epoch_batches
@@ -160,7 +161,11 @@ class AutoSteps:
             return
         self._wait()
         step_s = (time.perf_counter() - self._start) / MEASURED_STEPS
-        measured = Measured(step_s=step_s, compile_s=max(self._first_s - step_s, 0.0))
+        compile_s = max(self._first_s - step_s, 0.0)
+        # Several processes: every one reads its batches as the chief's times say (from
+        # here on, each process's choices are the same function of the same numbers).
+        step_s, compile_s = map(float, _coordination.chiefs(f"{step_s!r} {compile_s!r}").split())
+        measured = Measured(step_s=step_s, compile_s=compile_s)
         self._seen[self._key] = measured
         self.k = self._chosen(measured, current.epoch - 1, current.position)
         if self.k > 1:
@@ -178,7 +183,7 @@ class AutoSteps:
         self._wait()
         step_s = (time.perf_counter() - current.handed) / self.k
         measured.checked = True
-        if step_s > SLOWER * measured.step_s:
+        if _coordination.chiefs("slower" if step_s > SLOWER * measured.step_s else "") == "slower":
             logger.info(
                 "fit: one step per program after all (steps_per_execution='auto': %d steps "
                 "in one took %.2f ms a step, one at a time %.2f ms)",
@@ -240,17 +245,16 @@ def plan(
 ) -> AutoSteps | FixedSteps:
     """How `fit` reads its batches: `AutoSteps` under `steps_per_execution="auto"` unless
     `fixed` (not in-memory arrays read from the host, checked steps, or a callback reading
-    every batch), in one process, compiled, for at least `MIN_STEPS` steps unless its K-step
-    program is built already; else `FixedSteps(chunked)`. `inputs`: x, y and the weights;
-    `span`: the first epoch, its first step, the end epoch, the steps of each and the batch
-    size."""
+    every batch on any process of the job), compiled, for at least `MIN_STEPS` steps unless
+    its K-step program is built already; else `FixedSteps(chunked)`. `inputs`: x, y and the
+    weights; `span`: the first epoch, its first step, the end epoch, the steps of each and
+    the batch size. Several processes choose alike: `fixed` is agreed, and the measured
+    times are the chief's."""
     first_epoch, first_step, epochs, steps, batch_size = span
     if (
         not trainer._auto_steps
         or chunked
-        or fixed
         or steps is None
-        or jax.process_count() > 1
         or trainer.run_eagerly
         or functions_run_eagerly()
     ):
@@ -258,7 +262,7 @@ def plan(
     # Measured per batch size and the examples' shapes and dtypes.
     key = (tuple(_signature(a) for a in inputs), batch_size)
     built = getattr(trainer._auto_measured.get(key), "built", 0) > 1  # a K program exists
-    if not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS:
+    if fixed or (not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS):
         return FixedSteps(train, 0)
 
     def wait() -> None:

@@ -252,8 +252,8 @@ class FitLoop:
         self.stop_training = False
         self._start = None
         self._interrupted = True
-        hooked = callback_list.with_train_batch_hooks()
-        per_step = bool(hooked)
+        fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
+        per_step, fixed = callback_list.agree_train_batch_hooks(fixed)
         callback_list.on_train_begin({})
         logs: dict[str, float] = {}
         first_epoch, first_step = self._start or (initial_epoch, 0)
@@ -271,8 +271,6 @@ class FitLoop:
         # From the host, K steps per execution: K batches gathered and placed at once.
         k = self.steps_per_execution
         chunked = k if k > 1 and _is_arrays(x) and data is None and not checked else 0
-        fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
-        fixed |= any(c.reads_every_batch for c in hooked)
         span = (first_epoch, first_step, epochs, steps if length is None else None, batch_size)
         read = _auto_steps.plan(self, train, (x, y, sample_weight), chunked, fixed, span)
         self.model.train()

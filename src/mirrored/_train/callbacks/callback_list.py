@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from mirrored._core import coordination as _coordination
 from mirrored._train.callbacks.base import Callback, History, _implements
 from mirrored._train.callbacks.progress import ProgbarLogger
 
@@ -34,6 +35,7 @@ class CallbackList:
             self.callbacks.append(self.history)
         if add_progbar and not any(isinstance(c, ProgbarLogger) for c in self.callbacks):
             self.callbacks.append(ProgbarLogger(verbose))
+        self._read_everywhere = False  # every process reads each batch's logs (`agree_...`)
 
     def overrides(self, hook: str) -> bool:
         """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
@@ -43,6 +45,24 @@ class CallbackList:
         """The callbacks that implement `on_train_batch_begin` or `on_train_batch_end`."""
         hooks = ("on_train_batch_begin", "on_train_batch_end")
         return [c for c in self.callbacks if any(_implements(c, h) for h in hooks)]
+
+    def agree_train_batch_hooks(self, fixed: bool) -> tuple[bool, bool]:
+        """Whether `fit` calls the batch hooks, and whether it keeps one step per program
+        (`fixed`, or a hook that reads every batch), agreed by every process of the job.
+
+        The processes' programs and collectives must match: a process whose callbacks have
+        no batch hook runs the same steps as one whose callbacks do, and where the processes'
+        batch hooks differ (a callback of your own on the chief only, say), every process
+        reads each batch's logs (an all-reduce), so that no process runs one alone. The
+        progress bar never reads them mid-epoch on several processes: it may differ."""
+        hooked = self.with_train_batch_hooks()
+        fixed = fixed or any(c.reads_every_batch for c in hooked)
+        if jax.process_count() == 1:
+            return bool(hooked), fixed
+        mine = [type(c).__qualname__ for c in hooked if not isinstance(c, ProgbarLogger)]
+        views = _coordination.everyones(f"{int(fixed)}{int(bool(hooked))}{','.join(mine)}")
+        self._read_everywhere = len({view[2:] for view in views}) > 1
+        return any(view[1] == "1" for view in views), any(view[0] == "1" for view in views)
 
     def __getattr__(self, hook: str) -> Any:
         if hook.startswith("__"):
@@ -57,9 +77,12 @@ class CallbackList:
         # all-reduce there alone, and the job would hang; read them on every process first.
         everywhere = (
             hook.endswith("_batch_end")
-            and not all(
-                getattr(getattr(m, "__self__", None), "logs_read_on_every_process", False)
-                for m in methods
+            and (
+                self._read_everywhere
+                or not all(
+                    getattr(getattr(m, "__self__", None), "logs_read_on_every_process", False)
+                    for m in methods
+                )
             )
             and jax.process_count() > 1
         )
