@@ -49,6 +49,11 @@ class Reads(mirrored.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.losses.append(logs["loss"])
 
+    on_test_batch_end = on_train_batch_end
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.losses.append(len(logs["outputs"]))
+
 
 class ChiefReads(mirrored.callbacks.Callback):
     """A batch's logs read on the chief alone, as a user's print would be (the read is an
@@ -286,6 +291,9 @@ def main():
         f"read {len(reads.losses)}",
         flush=True,
     )
+    one_sided.evaluate(ax, ay, batch_size=32, callbacks=[] if strategy.is_chief else [reads])
+    one_sided.predict(ax[:40], batch_size=16, callbacks=[] if strategy.is_chief else [reads])
+    print(f"evaluate and predict beside it read {reads.losses[76:]}", flush=True)
 
     if strategy.is_chief:
         # A strategy over the chief's own devices (its evaluation, say): its first step has

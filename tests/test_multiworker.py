@@ -168,6 +168,10 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     # A callback reading every batch's logs on rank 1 only: nothing measured on either.
     assert "[rank 0] auto beside a per-batch callback {} read 0" in stdout
     assert "[rank 1] auto beside a per-batch callback {} read 76" in stdout
+    # ... and in evaluate (10 batches) and predict (3 batches of 16, 16, 8 real rows).
+    read = re.search(r"\[rank 1\] evaluate and predict beside it read \[(.*)\]", stdout)
+    assert read is not None and read.group(1).count(",") == 12, per_rank_tails(stdout)
+    assert read.group(1).endswith("16, 16, 8")
     assert any((two_dir / "tb" / "train").iterdir())  # the chief's batch scalars, histograms
     one = launch(tmp_path / "one", 1, 4)
     assert one.returncode == 0, per_rank_tails(one.stdout)

@@ -254,6 +254,7 @@ def plan(
     if (
         not trainer._auto_steps
         or chunked
+        or fixed
         or steps is None
         or trainer.run_eagerly
         or functions_run_eagerly()
@@ -262,7 +263,7 @@ def plan(
     # Measured per batch size and the examples' shapes and dtypes.
     key = (tuple(_signature(a) for a in inputs), batch_size)
     built = getattr(trainer._auto_measured.get(key), "built", 0) > 1  # a K program exists
-    if fixed or (not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS):
+    if not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS:
         return FixedSteps(train, 0)
 
     def wait() -> None:

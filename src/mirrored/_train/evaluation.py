@@ -189,9 +189,7 @@ class Evaluation:
         """One pass over `dataset` (its first `steps` batches); `callbacks` get Keras' test
         hooks (fit's, when validating). With `placed`, the batches are index batches into
         those arrays on the devices."""
-        per_step = callbacks.overrides("on_test_batch_begin") or callbacks.overrides(
-            "on_test_batch_end"
-        )
+        per_step, _ = callbacks.agree_batch_hooks("test")  # on every process alike
         callbacks.on_test_begin({})
         self.model.eval()
         totals = self._zeros()
@@ -310,9 +308,7 @@ class Evaluation:
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
         callback_list.set_trainer(self, {"steps": steps or source_length(dataset), "verbose": 0})
-        per_step = callback_list.overrides("on_predict_batch_begin") or callback_list.overrides(
-            "on_predict_batch_end"
-        )
+        per_step, _ = callback_list.agree_batch_hooks("predict")  # on every process alike
         callback_list.on_predict_begin({})
         self.model.eval()
         outputs = []

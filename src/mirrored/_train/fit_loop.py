@@ -253,7 +253,7 @@ class FitLoop:
         self._start = None
         self._interrupted = True
         fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
-        per_step, fixed = callback_list.agree_train_batch_hooks(fixed)
+        per_step, fixed = callback_list.agree_batch_hooks("train", fixed)
         callback_list.on_train_begin({})
         logs: dict[str, float] = {}
         first_epoch, first_step = self._start or (initial_epoch, 0)

@@ -35,33 +35,32 @@ class CallbackList:
             self.callbacks.append(self.history)
         if add_progbar and not any(isinstance(c, ProgbarLogger) for c in self.callbacks):
             self.callbacks.append(ProgbarLogger(verbose))
-        self._read_everywhere = False  # every process reads each batch's logs (`agree_...`)
+        # The loops ("train", ...) in which every process reads each batch's logs.
+        self._read_everywhere: set[str] = set()
 
-    def overrides(self, hook: str) -> bool:
-        """Whether any callback implements `hook` (per-step hooks cost time on the hot path)."""
-        return any(_implements(c, hook) for c in self.callbacks)
-
-    def with_train_batch_hooks(self) -> list[Callback]:
-        """The callbacks that implement `on_train_batch_begin` or `on_train_batch_end`."""
-        hooks = ("on_train_batch_begin", "on_train_batch_end")
+    def with_batch_hooks(self, kind: str = "train") -> list[Callback]:
+        """The callbacks that implement `on_{kind}_batch_begin` or `on_{kind}_batch_end`."""
+        hooks = (f"on_{kind}_batch_begin", f"on_{kind}_batch_end")
         return [c for c in self.callbacks if any(_implements(c, h) for h in hooks)]
 
-    def agree_train_batch_hooks(self, fixed: bool) -> tuple[bool, bool]:
-        """Whether `fit` calls the batch hooks, and whether it keeps one step per program
-        (`fixed`, or a hook that reads every batch), agreed by every process of the job.
+    def agree_batch_hooks(self, kind: str, fixed: bool = False) -> tuple[bool, bool]:
+        """Whether the `kind` loop ("train", "test", "predict") calls its batch hooks, and
+        whether `fit` keeps one step per program (`fixed`, or a hook that reads every batch),
+        agreed by every process of the job.
 
         The processes' programs and collectives must match: a process whose callbacks have
         no batch hook runs the same steps as one whose callbacks do, and where the processes'
         batch hooks differ (a callback of your own on the chief only, say), every process
         reads each batch's logs (an all-reduce), so that no process runs one alone. The
         progress bar never reads them mid-epoch on several processes: it may differ."""
-        hooked = self.with_train_batch_hooks()
+        hooked = self.with_batch_hooks(kind)
         fixed = fixed or any(c.reads_every_batch for c in hooked)
         if jax.process_count() == 1:
             return bool(hooked), fixed
         mine = [type(c).__qualname__ for c in hooked if not isinstance(c, ProgbarLogger)]
         views = _coordination.everyones(f"{int(fixed)}{int(bool(hooked))}{','.join(mine)}")
-        self._read_everywhere = len({view[2:] for view in views}) > 1
+        if len({view[2:] for view in views}) > 1:
+            self._read_everywhere.add(kind)
         return any(view[1] == "1" for view in views), any(view[0] == "1" for view in views)
 
     def __getattr__(self, hook: str) -> Any:
@@ -78,7 +77,7 @@ class CallbackList:
         everywhere = (
             hook.endswith("_batch_end")
             and (
-                self._read_everywhere
+                hook.split("_")[1] in self._read_everywhere
                 or not all(
                     getattr(getattr(m, "__self__", None), "logs_read_on_every_process", False)
                     for m in methods
