@@ -6,10 +6,13 @@ in-flight bound (mirrored's default), dropout on. Prints JSON; ratio = mirrored 
 `run_steps` (K steps per program, `--steps-per-execution`) against the same plain-JAX loop; and
 `Trainer.fit(steps_per_execution=K)` on the same batches as NumPy arrays (one shuffled epoch
 per call, input pipeline and per-call work included; the loss Keras' sparse categorical
-cross-entropy from logits, per token for the language model).
+cross-entropy from logits, per token for the language model), and the same with the default
+`steps_per_execution="auto"` after a warm-up `fit` of `--auto-warmup-epochs` epochs (a training
+run: "auto" builds its K-step program only when the steps left pay for its compile, and the
+later one-epoch fits reuse it; `auto_chose` is the K it built, 0 for one step per program).
 
     python benchmarks/real_models.py [--devices 8] [--steps 32] [--repeats 3]
-                                     [--steps-per-execution 32]
+                                     [--steps-per-execution 32] [--auto-warmup-epochs 12]
 
 To add a model: a function that builds its `Workload` from its example module, and a line in
 `MODELS`.
@@ -171,6 +174,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--steps-per-execution", type=int, default=32)
+    parser.add_argument("--auto-warmup-epochs", type=int, default=12)
     args = parser.parse_args()
     mirrored.simulate_cpu_devices(args.devices)
 
@@ -262,17 +266,32 @@ def main() -> None:
                 trainer.fit(x, y, batch_size=batch, epochs=1, verbose=0)
                 return trainer.model
 
-            plain_t, ours_t, scanned_t, fit_t = [], [], [], []
+            with strategy.scope():
+                auto = mirrored.Trainer(  # steps_per_execution="auto", the default
+                    workload.make_model(),
+                    workload.make_tx(),
+                    "sparse_categorical_crossentropy",
+                    from_logits=True,
+                )
+            auto.fit(x_all, y_all, batch_size=batch, epochs=args.auto_warmup_epochs, verbose=0)
+            chosen = max([m.built for m in auto._auto_measured.values()], default=0)
+
+            def run_auto(k: int, auto=auto, x=x_all, y=y_all, batch=batch) -> object:
+                return run_fit(k, auto, x, y, batch)
+
+            plain_t, ours_t, scanned_t, fit_t, auto_t = [], [], [], [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both alike
                 plain_t.append(timed(run_plain, args.steps, warmup=3))
                 ours_t.append(timed(run_mirrored, args.steps, warmup=3))
                 warmup = min(args.steps_per_execution, args.steps)  # compiles the K-step program
                 scanned_t.append(timed(run_scanned, args.steps, warmup=warmup))
                 fit_t.append(timed(run_fit, args.steps, warmup=args.steps))
+                auto_t.append(timed(run_auto, args.steps, warmup=args.steps))
             plain_eps = args.steps * batch / statistics.median(plain_t)
             ours_eps = args.steps * batch / statistics.median(ours_t)
             scanned_eps = args.steps * batch / statistics.median(scanned_t)
             fit_eps = args.steps * batch / statistics.median(fit_t)
+            auto_eps = args.steps * batch / statistics.median(auto_t)
             row = {
                 "model": name,
                 "parameters": sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))),
@@ -286,6 +305,9 @@ def main() -> None:
                 "run_steps_ratio": round(scanned_eps / plain_eps, 3),
                 "fit_examples_per_s": round(fit_eps, 1),
                 "fit_ratio": round(fit_eps / plain_eps, 3),
+                "fit_auto_examples_per_s": round(auto_eps, 1),
+                "fit_auto_ratio": round(auto_eps / plain_eps, 3),
+                "auto_chose": chosen,
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

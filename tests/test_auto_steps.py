@@ -105,7 +105,8 @@ def test_choose_pays_for_the_program_only_when_the_steps_left_do():
     assert auto_steps.choose(fast, 10_000, epoch_steps=200) == 28  # 7 x 28, 4 left
     assert auto_steps.choose(fast, 10_000, epoch_steps=64) == 32
     assert auto_steps.choose(fast, 10_000, epoch_steps=20) == 20  # one execution an epoch
-    assert auto_steps.choose(fast, 1_000, epoch_steps=200) == 1  # 1 s left < 10 x 0.5 s
+    assert auto_steps.choose(fast, 1_999, epoch_steps=200) == 1  # 2 s left < 4 x 0.5 s
+    assert auto_steps.choose(fast, 2_000, epoch_steps=200) == 28  # 2 s: pays at a 25% gain
     slow = auto_steps.Measured(step_s=0.3, compile_s=0.0)
     assert auto_steps.choose(slow, 10_000, epoch_steps=20) == 5  # room for 6 (2 s): 4 x 5
     assert auto_steps.choose(auto_steps.Measured(1.5, 0.0), 10_000, 20) == 1  # 2 steps: 3 s

@@ -142,6 +142,8 @@ def test_bench_reports_weak_and_strong_scaling(tmp_path):
             "1",
             "--models",
             "cnn_digits",
+            "--auto-warmup-epochs",
+            "1",
         ],
         ["flax_tutorial.py", "--devices", "1", "--steps", "1", "--repeats", "1"],
         ["keras_models.py", "--devices", "1", "--steps", "2", "--repeats", "1"],
