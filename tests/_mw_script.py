@@ -306,6 +306,21 @@ def main():
         ((ox, oy),) = list(own.experimental_distribute_dataset(global_batches(1, 8)))
         own.run(train_step, args=(alone, alone_opt, ox, oy))
         print(f"chief alone trained on {own.num_replicas_in_sync} replicas", flush=True)
+        # ... and a Trainer on it: fit with a batch hook, fit under "auto", evaluate, predict
+        # agree with no other process (before: they waited for the others' answers forever).
+        with own.scope():
+            own_trainer = mirrored.Trainer(
+                SmallMLP(rngs=nnx.Rngs(5)),
+                optax.sgd(0.1),
+                "sparse_categorical_crossentropy",
+                from_logits=True,
+            )
+        own_trainer.fit(ax, ay, batch_size=8, epochs=2, verbose=0, callbacks=[Reads()])
+        own_trainer.fit(ax, ay, batch_size=8, epochs=2, verbose=0)
+        own_trainer.evaluate(ax, ay, batch_size=32, callbacks=[Reads()])
+        own_trainer.predict(ax[:40], batch_size=16, callbacks=[Reads()])
+        (own_measured,) = own_trainer._auto_measured.values()
+        print(f"chief alone fitted, K {own_measured.built}", flush=True)
         arrays = {f"loop/{k}": v for k, v in loop.items()}
         arrays.update({f"fit_k3/{k}": v for k, v in flat(chunked).items()})
         arrays.update({f"fit_auto/{k}": v for k, v in flat(auto.model).items()})

@@ -150,6 +150,7 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     assert "[rank 1] replicas 4 processes 2 chief False" in stdout
     assert "[rank 0] chief read loss" in stdout and "[rank 1] chief read" not in stdout
     assert "[rank 0] chief alone trained on 2 replicas" in stdout
+    assert re.search(r"\[rank 0\] chief alone fitted, K [1-9]", stdout), per_rank_tails(stdout)
     # Arrays kept on the devices by the chief's choice (rank 1's own limit said no, so it
     # keeps only the copy in use), with the host path's numbers on each process.
     assert "[rank 0] device data placed 3 / 0 equal True" in stdout

@@ -24,6 +24,7 @@ import numpy as np
 from mirrored._core import coordination as _coordination
 from mirrored._core.settings import functions_run_eagerly
 from mirrored._core.values import StackedBatches
+from mirrored._data.input import process_info
 from mirrored._train.batches import _epoch_batches
 
 logger = logging.getLogger("mirrored")
@@ -123,9 +124,11 @@ class AutoSteps:
         train: Any,
         wait: Callable[[], None],
         span: tuple[int, int, int, int],
+        chiefs: Callable[[str], str],
     ) -> None:
         self._seen, self._key, self._train = seen, key, train
         self._wait, self._span = wait, span
+        self._chiefs = chiefs  # the chief's value, on a strategy over several processes
         self._epoch: _Epoch | None = None  # the epoch being read
         self._first_s: float | None = None  # the first step's time, its compile included
         self._start = 0.0  # when the steps timed in a row began
@@ -169,7 +172,7 @@ class AutoSteps:
         compile_s = max(self._first_s - step_s, 0.0)
         # Several processes: every one reads its batches as the chief's times say (from
         # here on, each process's choices are the same function of the same numbers).
-        step_s, compile_s = map(float, _coordination.chiefs(f"{step_s!r} {compile_s!r}").split())
+        step_s, compile_s = map(float, self._chiefs(f"{step_s!r} {compile_s!r}").split())
         measured = Measured(step_s=step_s, compile_s=compile_s)
         self._seen[self._key] = measured
         self.k = self._chosen(measured, current.epoch - 1, current.position)
@@ -188,7 +191,7 @@ class AutoSteps:
         self._wait()
         step_s = (time.perf_counter() - current.handed) / self.k
         measured.checked = True
-        if _coordination.chiefs("slower" if step_s > SLOWER * measured.step_s else "") == "slower":
+        if self._chiefs("slower" if step_s > SLOWER * measured.step_s else "") == "slower":
             logger.info(
                 "fit: one step per program after all (steps_per_execution='auto': %d steps "
                 "in one took %.2f ms a step, one at a time %.2f ms)",
@@ -274,6 +277,13 @@ def plan(
     def wait() -> None:
         jax.block_until_ready(trainer._train_totals.global_value)
 
-    return AutoSteps(
-        trainer._auto_measured, key, train, wait, (first_epoch, first_step, epochs, steps)
-    )
+    # A strategy over several processes: they read their batches alike, by the chief's times.
+    several = process_info(trainer.strategy)[0] > 1
+    chiefs = _coordination.chiefs if several else _own
+    span4 = (first_epoch, first_step, epochs, steps)
+    return AutoSteps(trainer._auto_measured, key, train, wait, span4, chiefs)
+
+
+def _own(value: str) -> str:
+    """This process's `value` (a strategy over its devices alone: nothing to agree)."""
+    return value

@@ -43,10 +43,12 @@ class CallbackList:
         hooks = (f"on_{kind}_batch_begin", f"on_{kind}_batch_end")
         return [c for c in self.callbacks if any(_implements(c, h) for h in hooks)]
 
-    def agree_batch_hooks(self, kind: str, fixed: bool = False) -> tuple[bool, bool]:
+    def agree_batch_hooks(
+        self, kind: str, processes: int, fixed: bool = False
+    ) -> tuple[bool, bool]:
         """Whether the `kind` loop ("train", "test", "predict") calls its batch hooks, and
         whether `fit` keeps one step per program (`fixed`, or a hook that reads every batch),
-        agreed by every process of the job.
+        agreed by the `processes` processes of the strategy (1: this one alone).
 
         The processes' programs and collectives must match: a process whose callbacks have
         no batch hook runs the same steps as one whose callbacks do, and where the processes'
@@ -55,7 +57,7 @@ class CallbackList:
         progress bar never reads them mid-epoch on several processes: it may differ."""
         hooked = self.with_batch_hooks(kind)
         fixed = fixed or any(c.reads_every_batch for c in hooked)
-        if jax.process_count() == 1:
+        if processes == 1:
             return bool(hooked), fixed
         mine = [type(c).__qualname__ for c in hooked if not isinstance(c, ProgbarLogger)]
         views = _coordination.everyones(f"{int(fixed)}{int(bool(hooked))}{','.join(mine)}")
