@@ -362,3 +362,47 @@ def test_verify_on_two_processes_reports_their_agreement():
         # Issue 37: each process' step time and wait; 2 busy cores may well make one slower.
         assert checks["Stragglers"] in ("PASS", "WARN"), (rank, case)
     assert "args[0].hidden.kernel (processes [1] vs 0)" in done.stdout
+
+
+class _FakeStore:
+    """jax.distributed's key-value store, in memory: the other processes' keys set ahead."""
+
+    def __init__(self, **keys):
+        self.keys = dict(keys)
+
+    def key_value_set(self, key, value):
+        self.keys[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.keys[key]
+
+    def key_value_delete(self, key):
+        self.keys.pop(key, None)
+
+
+def _pretend_process(monkeypatch, store, count, index):
+    import jax
+
+    from mirrored._core import coordination
+
+    monkeypatch.setattr(coordination, "coordination_client", lambda: store)
+    monkeypatch.setattr(coordination, "_decision_rounds", {})
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    return coordination
+
+
+def test_agreement_among_a_strategys_processes_and_a_round_of_different_decisions(monkeypatch):
+    """A strategy over processes 0 and 2 of 3 agrees among them alone (its own keys; before,
+    fit waited for process 1, which never answered); a round in which the processes took
+    different decisions (a call made on some processes only) is an error naming both."""
+    store = _FakeStore(**{"mirrored/chief/0-2/0/0": "batch hooks (train)|011"})
+    coordination = _pretend_process(monkeypatch, store, count=3, index=2)
+    views = coordination.everyones("000", owners=[0, 2], tag="batch hooks (train)")
+    assert views == ["011", "000"]
+    assert store.keys["mirrored/chief/0-2/0/1"] == "batch hooks (train)|000"
+    assert coordination.everyones("x", owners=[2]) == ["x"]  # one process: no round
+    store.keys["mirrored/chief/0/0"] = "steps_per_execution='auto': measured|0.001 0.5"
+    store.keys["mirrored/chief/0/1"] = "arrays on devices|host"
+    with pytest.raises(RuntimeError, match=r"taking \[\"steps_per_exec.*, 'arrays on devices'"):
+        coordination.chiefs("place", tag="arrays on devices")  # every process: another group

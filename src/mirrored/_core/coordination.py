@@ -3,6 +3,7 @@ nothing waits behind the device queues, and any thread may take part."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 WAIT_SLICE_MS = 10_000  # a peer still busy is asked again; a stalled one is the watchdog's
@@ -55,25 +56,45 @@ class Exchange:
                     raise
 
 
-_chief_rounds: list[Exchange] = []  # one for the job's decisions, made on first use
+_decision_rounds: dict[tuple[int, ...], Exchange] = {}  # per group of processes, on first use
 
 
-def everyones(value: str) -> list[str]:
-    """Every process's `value`, in rank order (`[value]` in a job of one).
+def everyones(value: str, owners: Sequence[int] | None = None, tag: str = "") -> list[str]:
+    """Every process's `value`, in rank order, among the processes `owners` (a strategy's,
+    `devices.owning_processes`; None: every process of the job); `[value]` for one.
 
-    Every process must call it at the same point of the program, as a collective."""
+    Every process of the group must call it at the same point of the program, as a
+    collective. `tag` names the decision: a round in which the processes made different
+    decisions (a call made on some processes only) is an error naming both, not one
+    decision read as the other's answer."""
     import jax
 
-    if jax.process_count() == 1:
+    group = tuple(range(jax.process_count())) if owners is None else tuple(owners)
+    if len(group) == 1:
         return [value]
-    if not _chief_rounds:
-        _chief_rounds.append(Exchange("mirrored/chief", jax.process_count(), jax.process_index()))
-    return _chief_rounds[0](value)
+    exchange = _decision_rounds.get(group)
+    if exchange is None:
+        name = "mirrored/chief"
+        if len(group) != jax.process_count():
+            name += "/" + "-".join(map(str, group))
+        exchange = Exchange(name, len(group), group.index(jax.process_index()))
+        _decision_rounds[group] = exchange
+    views = [view.split("|", 1) for view in exchange(f"{tag}|{value}")]
+    tags = [tag for tag, _ in views]
+    if len(set(tags)) > 1:
+        raise RuntimeError(
+            "Expected every process to take the same decision in this round of agreement; "
+            f"found processes {list(group)} taking {tags}: a call (a callback, an evaluate) "
+            "made on some processes only. Fix: give every process of the job the same "
+            "callbacks and calls (a callback may act on the chief only inside its hooks)."
+        )
+    return [value for _, value in views]
 
 
-def chiefs(value: str) -> str:
-    """The chief's `value`, on every process of the job (`value` itself in a job of one).
+def chiefs(value: str, owners: Sequence[int] | None = None, tag: str = "") -> str:
+    """The chief's `value` (the first of `owners`), on every process of the group (`value`
+    itself for one).
 
     For a decision that a process's own view could get wrong (a file listing, a clock):
     every process must call it at the same point of the program, as a collective."""
-    return everyones(value)[0]
+    return everyones(value, owners, tag)[0]

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from mirrored._core import coordination as _coordination
+from mirrored._core.devices import owning_processes
 from mirrored._core.settings import functions_run_eagerly
 from mirrored._core.values import StackedBatches
-from mirrored._data.input import process_info
 from mirrored._train.batches import _epoch_batches
 
 logger = logging.getLogger("mirrored")
@@ -124,7 +124,7 @@ class AutoSteps:
         train: Any,
         wait: Callable[[], None],
         span: tuple[int, int, int, int],
-        chiefs: Callable[[str], str],
+        chiefs: Callable[[str, str], str],
     ) -> None:
         self._seen, self._key, self._train = seen, key, train
         self._wait, self._span = wait, span
@@ -172,7 +172,8 @@ class AutoSteps:
         compile_s = max(self._first_s - step_s, 0.0)
         # Several processes: every one reads its batches as the chief's times say (from
         # here on, each process's choices are the same function of the same numbers).
-        step_s, compile_s = map(float, self._chiefs(f"{step_s!r} {compile_s!r}").split())
+        agreed = self._chiefs(f"{step_s!r} {compile_s!r}", "measured")
+        step_s, compile_s = map(float, agreed.split())
         measured = Measured(step_s=step_s, compile_s=compile_s)
         self._seen[self._key] = measured
         self.k = self._chosen(measured, current.epoch - 1, current.position)
@@ -191,7 +192,8 @@ class AutoSteps:
         self._wait()
         step_s = (time.perf_counter() - current.handed) / self.k
         measured.checked = True
-        if self._chiefs("slower" if step_s > SLOWER * measured.step_s else "") == "slower":
+        slower = self._chiefs("slower" if step_s > SLOWER * measured.step_s else "", "checked")
+        if slower == "slower":
             logger.info(
                 "fit: one step per program after all (steps_per_execution='auto': %d steps "
                 "in one took %.2f ms a step, one at a time %.2f ms)",
@@ -278,12 +280,10 @@ def plan(
         jax.block_until_ready(trainer._train_totals.global_value)
 
     # A strategy over several processes: they read their batches alike, by the chief's times.
-    several = process_info(trainer.strategy)[0] > 1
-    chiefs = _coordination.chiefs if several else _own
+    owners = owning_processes(trainer.strategy.extended.worker_devices)
+
+    def chiefs(value: str, tag: str) -> str:
+        return _coordination.chiefs(value, owners, tag=f"steps_per_execution='auto': {tag}")
+
     span4 = (first_epoch, first_step, epochs, steps)
     return AutoSteps(trainer._auto_measured, key, train, wait, span4, chiefs)
-
-
-def _own(value: str) -> str:
-    """This process's `value` (a strategy over its devices alone: nothing to agree)."""
-    return value

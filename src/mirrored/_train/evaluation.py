@@ -11,8 +11,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mirrored._core.devices import owning_processes
 from mirrored._core.values import to_host
-from mirrored._data.input import DistributedDataset, process_info, source_length
+from mirrored._data.input import DistributedDataset, source_length
 from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
@@ -189,8 +190,8 @@ class Evaluation:
         """One pass over `dataset` (its first `steps` batches); `callbacks` get Keras' test
         hooks (fit's, when validating). With `placed`, the batches are index batches into
         those arrays on the devices."""
-        # The strategy's processes call the hooks alike.
-        per_step, _ = callbacks.agree_batch_hooks("test", process_info(self.strategy)[0])
+        owners = owning_processes(self.strategy.extended.worker_devices)  # they agree
+        per_step, _ = callbacks.agree_batch_hooks("test", owners)
         callbacks.on_test_begin({})
         self.model.eval()
         totals = self._zeros()
@@ -309,8 +310,8 @@ class Evaluation:
         dataset = self._dataset(x, None, batch_size=batch_size, shuffle=False, seed=0)
         callback_list = CallbackList(callbacks)
         callback_list.set_trainer(self, {"steps": steps or source_length(dataset), "verbose": 0})
-        processes = process_info(self.strategy)[0]  # they call the hooks alike
-        per_step, _ = callback_list.agree_batch_hooks("predict", processes)
+        owners = owning_processes(self.strategy.extended.worker_devices)  # they agree
+        per_step, _ = callback_list.agree_batch_hooks("predict", owners)
         callback_list.on_predict_begin({})
         self.model.eval()
         outputs = []

@@ -13,8 +13,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from mirrored._core.devices import owning_processes
 from mirrored._core.values import PerReplica, StackedBatches, to_host
-from mirrored._data.input import DistributedDataset, process_info, source_length
+from mirrored._data.input import DistributedDataset, source_length
 from mirrored._proof import profile as _profile
 from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
@@ -253,8 +254,8 @@ class FitLoop:
         self._start = None
         self._interrupted = True
         fixed = checked or data is not None or not _is_arrays(x)  # auto: host arrays only
-        processes = process_info(self.strategy)[0]  # the strategy's: they agree
-        per_step, fixed = callback_list.agree_batch_hooks("train", processes, fixed)
+        owners = owning_processes(self.strategy.extended.worker_devices)  # they agree
+        per_step, fixed = callback_list.agree_batch_hooks("train", owners, fixed)
         callback_list.on_train_begin({})
         logs: dict[str, float] = {}
         first_epoch, first_step = self._start or (initial_epoch, 0)

@@ -96,7 +96,8 @@ class DeviceData:
         place = size <= room and (entry is not None or uses > strategy.num_replicas_in_sync)
         if processes > 1:
             # Every process must take the same path (the programs differ): the chief's.
-            place = _coordination.chiefs("place" if place else "host") == "place"
+            agreed = _coordination.chiefs("place" if place else "host", tag="arrays on devices")
+            place = agreed == "place"
         try:
             objects = tuple(weakref.ref(a) for a in given)
         except TypeError:  # an array type without weak references: not remembered

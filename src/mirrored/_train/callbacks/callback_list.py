@@ -44,24 +44,29 @@ class CallbackList:
         return [c for c in self.callbacks if any(_implements(c, h) for h in hooks)]
 
     def agree_batch_hooks(
-        self, kind: str, processes: int, fixed: bool = False
+        self, kind: str, owners: Sequence[int], fixed: bool = False
     ) -> tuple[bool, bool]:
         """Whether the `kind` loop ("train", "test", "predict") calls its batch hooks, and
         whether `fit` keeps one step per program (`fixed`, or a hook that reads every batch),
-        agreed by the `processes` processes of the strategy (1: this one alone).
+        agreed by the processes `owners` (the strategy's; one: nothing to agree).
 
         The processes' programs and collectives must match: a process whose callbacks have
-        no batch hook runs the same steps as one whose callbacks do, and where the processes'
-        batch hooks differ (a callback of your own on the chief only, say), every process
-        reads each batch's logs (an all-reduce), so that no process runs one alone. The
-        progress bar never reads them mid-epoch on several processes: it may differ."""
+        no batch hook runs the same steps as one whose callbacks do, and where some process
+        would read a batch's logs (an all-reduce) where another would not (a batch hook of
+        your own, or the same callback, on some processes only), every process reads each
+        batch's logs, so that no process runs one alone. The progress bar never reads them
+        mid-epoch on several processes: it may differ."""
         hooked = self.with_batch_hooks(kind)
         fixed = fixed or any(c.reads_every_batch for c in hooked)
-        if processes == 1:
+        if len(owners) == 1:
             return bool(hooked), fixed
-        mine = [type(c).__qualname__ for c in hooked if not isinstance(c, ProgbarLogger)]
-        views = _coordination.everyones(f"{int(fixed)}{int(bool(hooked))}{','.join(mine)}")
-        if len({view[2:] for view in views}) > 1:
+        end = f"on_{kind}_batch_end"
+        ending = [c for c in hooked if _implements(c, end) and not isinstance(c, ProgbarLogger)]
+        reads = any(not c.logs_read_on_every_process for c in ending)
+        names = ",".join(f"{type(c).__module__}.{type(c).__qualname__}" for c in ending)
+        mine = f"{int(fixed)}{int(bool(hooked))}{int(reads)}{names}"
+        views = _coordination.everyones(mine, owners, tag=f"batch hooks ({kind})")
+        if any(view[2] == "1" for view in views) or len({view[3:] for view in views}) > 1:
             self._read_everywhere.add(kind)
         return any(view[1] == "1" for view in views), any(view[0] == "1" for view in views)
 

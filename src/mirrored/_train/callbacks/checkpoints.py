@@ -13,6 +13,7 @@ import numpy as np
 
 from mirrored._cluster import preemption
 from mirrored._core import coordination as _coordination
+from mirrored._core.devices import owning_processes
 from mirrored._persist import checkpoint as _checkpoint
 from mirrored._train.callbacks.base import Callback
 from mirrored._train.callbacks.monitoring import (
@@ -184,7 +185,10 @@ class BackupAndRestore(Callback):
         # network file system) or taken before the chief deleted a finished fit's backup,
         # and a process that restored alone would wait in a collective the others skip.
         latest = self._checkpoints.latest()
-        agreed = _coordination.chiefs("" if latest is None else str(latest))
+        owners = owning_processes(self.trainer.strategy.extended.worker_devices)
+        agreed = _coordination.chiefs(
+            "" if latest is None else str(latest), owners, tag="BackupAndRestore's backup"
+        )
         latest = int(agreed) if agreed else None
         if latest is None:
             return
