@@ -6,7 +6,8 @@ the other two, (b) in-memory arrays through the input fast path with `steps_per_
 (c) the same arrays with `steps_per_execution=K` (K steps per compiled program, one dispatch
 per K; the arrays kept on the devices, and again (d) read from the host, K batches gathered
 at once), and (e) the default `steps_per_execution="auto"` after a warm-up fit long enough
-for it to build its K-step program. Prints JSON;
+for it to build its K-step program; and `evaluate` over the same arrays, one step per program
+against "auto" (after a warm-up evaluate that builds its K-step program). Prints JSON;
 ratios are against plain JAX (its batches already on the devices), and the `*_over_hand`
 ratios against a hand-written plain-JAX loop fed from the same NumPy arrays (issue 39's
 bar: per step it shuffles, gathers the batch rows, `device_put`s them and calls the step,
@@ -150,10 +151,20 @@ def main() -> None:
             def run_fit_auto(trainer=auto, x=x_all, y=y_all, batch=batch) -> float:
                 return run_fit_arrays(trainer, x, y, batch)
 
+            def run_evaluate(trainer=trainer, x=x_all, y=y_all, batch=batch) -> float:
+                start = time.perf_counter()
+                trainer.evaluate(x, y, batch_size=batch)
+                return time.perf_counter() - start
+
+            def run_evaluate_auto(trainer=auto, x=x_all, y=y_all, batch=batch) -> float:
+                return run_evaluate(trainer, x, y, batch)
+
             # A training run long enough for "auto" to build its K-step program (it does when
             # the steps left take 10x the first step's compile); later fits reuse it.
             auto.fit(x_all, y_all, batch_size=batch, epochs=args.auto_warmup_epochs, verbose=0)
             chosen = [m.built for m in auto._auto_measured.values()]
+            auto.evaluate(x_all, y_all, batch_size=batch)  # measures, builds its K program
+            chosen_eval = [m.built for k, m in auto._auto_measured.items() if not k[0]]
 
             runs = {
                 "plain": run_plain,
@@ -164,6 +175,8 @@ def main() -> None:
                 "fit_multi": run_fit_multi,
                 "fit_multi_host": run_fit_multi_host,
                 "fit_auto": run_fit_auto,
+                "evaluate": run_evaluate,
+                "evaluate_auto": run_evaluate_auto,
             }
             for warm in runs.values():
                 warm()
@@ -192,6 +205,8 @@ def main() -> None:
                 "fit_multi_step_from_host_over_hand": round(eps["fit_multi_host"] / eps["hand"], 3),
                 "fit_auto_over_hand": round(eps["fit_auto"] / eps["hand"], 3),
                 "auto_chose_steps_per_execution": chosen,
+                "evaluate_auto_over_one_step": round(eps["evaluate_auto"] / eps["evaluate"], 3),
+                "evaluate_auto_chose": chosen_eval,
                 "hand_noise_band": [
                     round(min(times["hand"]) / statistics.median(times["hand"]) - 1, 3),
                     round(max(times["hand"]) / statistics.median(times["hand"]) - 1, 3),

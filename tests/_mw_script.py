@@ -280,6 +280,17 @@ def main():
     same = same and all(np.array_equal(v, flat(one.model)[k]) for k, v in flat(auto.model).items())
     same = same and np.allclose(auto_history["loss"], one_history["loss"], rtol=1e-6)
     print(f"auto chose {measured.built} step {measured.step_s!r} equal {same}", flush=True)
+    # evaluate under "auto" (75 steps of 4): its own measured step, the chief's, on both.
+    evaluated = [auto.evaluate(ax, ay, sample_weight=aw, batch_size=4) for _ in range(2)]
+    expected = one.evaluate(ax, ay, sample_weight=aw, batch_size=4)
+    same = all(
+        np.allclose([logs[k] for k in expected], list(expected.values()), rtol=1e-6)
+        for logs in evaluated
+    )
+    (evaluation,) = [m for key, m in auto._auto_measured.items() if not key[0]]  # not fit's
+    print(
+        f"auto evaluated with K {evaluation.built} {evaluation.step_s!r} equal {same}", flush=True
+    )
     auto_steps.SLOWER = 0.0 if strategy.is_chief else 1e9
     reverted, _ = auto_fit()
     (measured,) = reverted._auto_measured.values()

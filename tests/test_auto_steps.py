@@ -78,7 +78,7 @@ def test_auto_runs_k_steps_a_program_with_the_numbers_of_one_step_a_program(
         auto_steps, "_epoch_batches", lambda *a: asked.append(a[3]) or epoch_batches(*a)
     )
     short = _fit(auto, epochs=1, verbose=1)  # the progress bar too
-    assert asked == [measured.built]
+    assert asked == [measured.built, 0]  # and its validation (3 steps) one at a time
     _assert_same_logs(short, _fit(one, epochs=1))
     _assert_same(auto, one)
 
@@ -241,3 +241,39 @@ def test_backup_and_restore_saving_each_epoch_leaves_auto_on(always_worth_it, tm
     every = adam_trainer(8)
     _fit(every, epochs=3, callbacks=[BackupAndRestore(tmp_path / "c", save_freq=50)])
     assert every._auto_measured == {}
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_auto_evaluates_k_steps_a_program_with_the_numbers_of_one_step_a_program(
+    replicas, always_worth_it, caplog
+):
+    """evaluate (126 steps of 8, the last of 3 rows: ragged on 8 replicas; sample weights)
+    measures its own step and builds its own K-step program; a second evaluate reuses it."""
+    auto, one = adam_trainer(replicas), adam_trainer(replicas, steps_per_execution=1)
+    with caplog.at_level(logging.INFO, logger="mirrored"):
+        passes = [auto.evaluate(X, Y, sample_weight=W, batch_size=8) for _ in range(2)]
+    expected = one.evaluate(X, Y, sample_weight=W, batch_size=8)
+    for logs in passes:
+        assert logs.keys() == expected.keys()
+        for key, value in logs.items():
+            np.testing.assert_allclose(value, expected[key], rtol=1e-6, err_msg=key)
+    (measured,) = auto._auto_measured.values()
+    assert measured.built > 1 and measured.checked and not measured.slower
+    assert f"evaluate: {measured.built} steps per program (steps_per_execution='auto'" in (
+        caplog.text
+    )
+    assert one._auto_measured == {}
+
+
+def test_auto_validation_passes_are_measured_as_one_run(always_worth_it):
+    """fit's validation (65 steps of 8 a pass, one pass an epoch) builds its K-step program in
+    the first pass and runs it in the next; a 20-step training run stays one step a program;
+    the val_ logs are one step per program's."""
+    options = {"batch_size": 32, "epochs": 2, "verbose": 0, "validation_batch_size": 8}
+    data = (X[:516], Y[:516], W[:516])  # 64 batches of 8 and one of 4: ragged on 8 replicas
+    auto, one = adam_trainer(8), adam_trainer(8, steps_per_execution=1)
+    logs = auto.fit(X[:320], Y[:320], validation_data=data, **options).history
+    _assert_same_logs(logs, one.fit(X[:320], Y[:320], validation_data=data, **options).history)
+    (measured,) = auto._auto_measured.values()  # validation's alone: training is too short
+    assert measured.built > 1 and measured.checked
+    _assert_same(auto, one)

@@ -164,6 +164,9 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     chose = re.findall(r"\[rank (\d)\] auto chose (\d+) step (\S+) equal True", stdout)
     assert sorted(rank for rank, _, _ in chose) == ["0", "1"], per_rank_tails(stdout)
     assert chose[0][1:] == chose[1][1:] and int(chose[0][1]) > 1
+    evaluated = re.findall(r"\[rank (\d)\] auto evaluated with K (\d+) (\S+) equal True", stdout)
+    assert sorted(rank for rank, _, _ in evaluated) == ["0", "1"], per_rank_tails(stdout)
+    assert evaluated[0][1:] == evaluated[1][1:] and int(evaluated[0][1]) > 1
     reverted = re.findall(r"\[rank (\d)\] auto reverted True after (\d+)", stdout)
     assert len(reverted) == 2 and reverted[0][1] == reverted[1][1] and int(reverted[0][1]) > 1
     # A callback reading every batch's logs on rank 1 only: nothing measured on either.

@@ -279,7 +279,7 @@ def test_backup_and_restore_resumes_from_the_chiefs_choice_not_its_own_listing(
     trainer.fit(x, y, batch_size=32, epochs=1, callbacks=[keep], verbose=0)
     seen = os.path.basename(mirrored.latest_checkpoint(tmp_path))  # 2 batch saves, 1 epoch's
     asked = []
-    monkeypatch.setattr(coordination, "chiefs", lambda mine: (asked.append(mine), "")[1])
+    monkeypatch.setattr(coordination, "chiefs", lambda mine, *_, **__: (asked.append(mine), "")[1])
     backup = mirrored.callbacks.BackupAndRestore(tmp_path)
     history = trainer.fit(x, y, batch_size=32, epochs=2, callbacks=[backup], verbose=0)
     assert asked == [seen] == ["3"]  # this process saw step 3; the chief saw none: no resume

@@ -125,10 +125,12 @@ class AutoSteps:
         wait: Callable[[], None],
         span: tuple[int, int, int, int],
         chiefs: Callable[[str, str], str],
+        caller: str = "fit",
     ) -> None:
         self._seen, self._key, self._train = seen, key, train
         self._wait, self._span = wait, span
         self._chiefs = chiefs  # the chief's value, on a strategy over several processes
+        self._caller = caller  # "fit", or "evaluate" (and fit's validation): for the log
         self._epoch: _Epoch | None = None  # the epoch being read
         self._first_s: float | None = None  # the first step's time, its compile included
         self._start = 0.0  # when the steps timed in a row began
@@ -195,8 +197,9 @@ class AutoSteps:
         slower = self._chiefs("slower" if step_s > SLOWER * measured.step_s else "", "checked")
         if slower == "slower":
             logger.info(
-                "fit: one step per program after all (steps_per_execution='auto': %d steps "
+                "%s: one step per program after all (steps_per_execution='auto': %d steps "
                 "in one took %.2f ms a step, one at a time %.2f ms)",
+                self._caller,
                 self.k,
                 1e3 * step_s,
                 1e3 * measured.step_s,
@@ -213,8 +216,9 @@ class AutoSteps:
         if not new and (k == measured.built or (k == 1 and not measured.built) or measured.slower):
             return k
         logger.info(
-            "fit: %s (steps_per_execution='auto': a step takes %.2f ms, its compile about %.2f "
+            "%s: %s (steps_per_execution='auto': a step takes %.2f ms, its compile about %.2f "
             "s, %d steps left; pass steps_per_execution=K to choose)",
+            self._caller,
             f"{k} steps per program" if k > 1 else "one step per program",
             1e3 * measured.step_s,
             measured.compile_s,
@@ -252,6 +256,7 @@ def plan(
     chunked: int,
     fixed: bool,
     span: tuple[int, int, int, int | None, int | None],
+    totals: Callable[[], Any] | None = None,
 ) -> AutoSteps | FixedSteps:
     """How `fit` reads its batches: `AutoSteps` under `steps_per_execution="auto"` unless
     `fixed` (not in-memory arrays read from the host, checked steps, or a callback reading
@@ -259,7 +264,9 @@ def plan(
     its K-step program is built already; else `FixedSteps(chunked)`. `inputs`: x, y and the
     weights; `span`: the first epoch, its first step, the end epoch, the steps of each and
     the batch size. Several processes choose alike: `fixed` is agreed, and the measured
-    times are the chief's."""
+    times are the chief's. With `totals` (the running sums of an evaluation pass), how an
+    evaluation reads its batches: its step measured apart from the training step, `span`'s
+    epochs its passes (fit's validation: one an epoch), each long enough to measure."""
     first_epoch, first_step, epochs, steps, batch_size = span
     if (
         not trainer._auto_steps
@@ -270,14 +277,17 @@ def plan(
         or functions_run_eagerly()
     ):
         return FixedSteps(train, chunked)
-    # Measured per batch size and the examples' shapes and dtypes.
-    key = (tuple(_signature(a) for a in inputs), batch_size)
+    # Measured per kind of step, batch size and the examples' shapes and dtypes.
+    key = (totals is None, tuple(_signature(a) for a in inputs), batch_size)
     built = getattr(trainer._auto_measured.get(key), "built", 0) > 1  # a K program exists
     if not built and (epochs - first_epoch) * steps - first_step < MIN_STEPS:
         return FixedSteps(train, 0)
+    if not built and totals is not None and steps <= MEASURED_STEPS:
+        return FixedSteps(train, 0)  # each pass a new one: too short to measure
+    running = totals or (lambda: trainer._train_totals)
 
     def wait() -> None:
-        jax.block_until_ready(trainer._train_totals.global_value)
+        jax.block_until_ready(running().global_value)
 
     # A strategy over several processes: they read their batches alike, by the chief's times.
     owners = owning_processes(trainer.strategy.extended.worker_devices)
@@ -286,4 +296,5 @@ def plan(
         return _coordination.chiefs(value, owners, tag=f"steps_per_execution='auto': {tag}")
 
     span4 = (first_epoch, first_step, epochs, steps)
-    return AutoSteps(trainer._auto_measured, key, train, wait, span4, chiefs)
+    caller = "fit" if totals is None else "evaluate"
+    return AutoSteps(trainer._auto_measured, key, train, wait, span4, chiefs, caller)

@@ -17,9 +17,9 @@ from mirrored._data.input import DistributedDataset, source_length
 from mirrored._run import numerics as _numerics
 from mirrored._strategy.strategy import Strategy
 from mirrored._train import arguments as _arguments
+from mirrored._train import auto_steps as _auto_steps
 from mirrored._train.batches import (
     _eager_when_asked,
-    _epoch_batches,
     _has_per_replica,
     _is_arrays,
     _Logs,
@@ -125,15 +125,16 @@ class Evaluation:
         epochs: int = 1,
         checked: bool = False,
         in_use: tuple[Any, ...] | None = None,
-    ) -> tuple[DistributedDataset, tuple[Any, ...] | None]:
-        """The batches of `data` ((x, y), (x, y, sample_weight) or a dataset), and the arrays
+    ) -> tuple[DistributedDataset, tuple[Any, ...] | None, Any]:
+        """The batches of `data` ((x, y), (x, y, sample_weight) or a dataset), the arrays
         they index on the devices when kept there (`_resident`; None: the batches hold the
-        examples). `in_use`: arrays kept on the devices that the caller still reads (they
-        stay)."""
-        weights = None
+        examples), and `_run_eval`'s `inputs`. `in_use`: arrays kept on the devices that the
+        caller still reads (they stay)."""
+        weights, inputs = None, None
         if isinstance(data, tuple) and len(data) in (2, 3) and _is_arrays(data[0]):
             x, y = data[0], data[1]
             weights = data[2] if len(data) == 3 else None
+            inputs = ((x, y, weights), batch_size)
         else:
             x, y = data, None
         placed = None
@@ -144,7 +145,7 @@ class Evaluation:
         dataset = self._dataset(
             x, y, batch_size=batch_size, shuffle=False, seed=0, sample_weight=weights
         )
-        return dataset, placed
+        return dataset, placed, inputs
 
     def _batch_logs(self, totals: Any) -> _Logs:
         """A batch hook's logs: these sums and the stateful metrics' state now (immutable
@@ -169,11 +170,14 @@ class Evaluation:
         callbacks: CallbackList,
         *,
         steps: int | None = None,
+        passes: tuple[int, int] = (0, 1),
         **options: Any,
     ) -> dict[str, float]:
-        """`fit`'s validation after an epoch: `val_` logs; the model back in train mode."""
-        dataset, placed = self._eval_dataset(data, batch_size, **options)
-        logs = self._run_eval(dataset, callbacks, prefix="val_", placed=placed, steps=steps)
+        """`fit`'s validation after an epoch: `val_` logs; the model back in train mode.
+        `passes`: this epoch and the end epoch."""
+        dataset, placed, inputs = self._eval_dataset(data, batch_size, **options)
+        options = {"placed": placed, "steps": steps, "inputs": inputs, "passes": passes}
+        logs = self._run_eval(dataset, callbacks, prefix="val_", **options)
         self.model.train()
         return logs
 
@@ -186,10 +190,15 @@ class Evaluation:
         prefix: str = "",
         placed: tuple[Any, ...] | None = None,
         steps: int | None = None,
+        inputs: tuple[tuple[Any, ...], int | None] | None = None,
+        passes: tuple[int, int] = (0, 1),
     ) -> dict[str, float]:
         """One pass over `dataset` (its first `steps` batches); `callbacks` get Keras' test
         hooks (fit's, when validating). With `placed`, the batches are index batches into
-        those arrays on the devices."""
+        those arrays on the devices. `inputs`: the in-memory arrays of `dataset` (x, y and
+        the weights) and the batch size, None for another source; `passes`: this pass's
+        number and how many the caller makes (fit's validation: its epochs), both for
+        `steps_per_execution="auto"`."""
         owners = owning_processes(self.strategy.extended.worker_devices)  # they agree
         per_step, _ = callbacks.agree_batch_hooks("test", owners)
         callbacks.on_test_begin({})
@@ -198,7 +207,15 @@ class Evaluation:
         self._reset_metrics()
         k = self.steps_per_execution  # in-memory arrays: K batches gathered at once
         stacked = k > 1 and placed is None and steps is None
-        batches = _epoch_batches(dataset, 1, 0, k if stacked else 0)
+        # "auto": in-memory arrays from the host, no batch hooks, every batch: K measured.
+        fixed = per_step or placed is not None or steps is not None or inputs is None
+        arrays, batch_size = inputs or ((), None)
+        # As epochs of one fit from this pass on (each reads the dataset's first epoch).
+        span = (0, 0, passes[1] - passes[0], None if fixed else len(dataset), batch_size)
+        read = _auto_steps.plan(
+            self, dataset, arrays, k if stacked else 0, fixed, span, lambda: totals
+        )
+        batches = read.batches(1, 0)
         eval_step, eval_additions = self._eval_step, self._eval_additions
         rows: tuple[Any, ...] = ()
         if placed is not None:
@@ -221,6 +238,7 @@ class Evaluation:
                 (self.model,),
                 (self._stateful, *rows),
             )
+            read.ran(chunk)
             step += len(chunk)
             if per_step:
                 callbacks.on_test_batch_end(step - 1, logs=self._batch_logs(totals))
@@ -263,7 +281,7 @@ class Evaluation:
         weighted = sample_weight is not None
         data = x if y is None else (x, y, sample_weight) if weighted else (x, y)
         checked = any(c.checks_numerics for c in callbacks)
-        dataset, placed = self._eval_dataset(data, batch_size, checked=checked)
+        dataset, placed, inputs = self._eval_dataset(data, batch_size, checked=checked)
         callback_list = CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose)
         callback_list.set_trainer(
             self,
@@ -274,7 +292,7 @@ class Evaluation:
                 "verbose": verbose,
             },
         )
-        logs = self._run_eval(dataset, callback_list, placed=placed, steps=steps)
+        logs = self._run_eval(dataset, callback_list, placed=placed, steps=steps, inputs=inputs)
         if return_dict:
             return logs
         values = list(logs.values())  # Keras' order: the loss, then the metrics as compiled

@@ -339,7 +339,7 @@ class FitLoop:
             if validation_data is not None and validates(epoch + 1):
                 held = validation_batch_size or batch_size  # in_use: the training arrays stay
                 options: dict[str, Any] = {"epochs": epochs - initial_epoch, "in_use": data}
-                options.update(checked=checked, steps=validation_steps)
+                options.update(checked=checked, steps=validation_steps, passes=(epoch, epochs))
                 logs.update(self._validate(validation_data, held, callback_list, **options))
             callback_list.on_epoch_end(epoch, logs)
             self._last_logs = logs
