@@ -64,6 +64,18 @@ class ChiefReads(mirrored.callbacks.Callback):
             print(f"chief read loss {logs['loss']:.4f}", flush=True)
 
 
+def small_trainer(strategy, steps_per_execution="auto", seed=0, tx=None):
+    """The SmallMLP Trainer (Adam 0.01 unless `tx`, sparse cross-entropy of logits)."""
+    with strategy.scope():
+        return mirrored.Trainer(
+            SmallMLP(rngs=nnx.Rngs(seed)),
+            tx or optax.adam(0.01),
+            "sparse_categorical_crossentropy",
+            from_logits=True,
+            steps_per_execution=steps_per_execution,
+        )
+
+
 def flat(model):
     return {
         "/".join(map(str, p)): np.asarray(v.get_value())
@@ -186,14 +198,7 @@ def main():
     # 5. K steps per execution from in-memory arrays (read from the host on several
     # processes: K batches gathered at once, each process its rows), sample weights, ragged.
     def k3_trainer():
-        with strategy.scope():
-            return mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(0)),
-                optax.adam(0.01),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=3,
-            )
+        return small_trainer(strategy, steps_per_execution=3)
 
     per_k = k3_trainer()
     chunked = per_k.model
@@ -260,14 +265,7 @@ def main():
     aw = np.linspace(0.5, 1.5, 300).astype(np.float32)
 
     def auto_fit(spe="auto", callbacks=()):
-        with strategy.scope():
-            trainer = mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(0)),
-                optax.adam(0.01),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-                steps_per_execution=spe,
-            )
+        trainer = small_trainer(strategy, steps_per_execution=spe)
         history = trainer.fit(
             ax, ay, batch_size=8, sample_weight=aw, epochs=2, verbose=0, callbacks=callbacks
         )
@@ -319,13 +317,7 @@ def main():
         print(f"chief alone trained on {own.num_replicas_in_sync} replicas", flush=True)
         # ... and a Trainer on it: fit with a batch hook, fit under "auto", evaluate, predict
         # agree with no other process (before: they waited for the others' answers forever).
-        with own.scope():
-            own_trainer = mirrored.Trainer(
-                SmallMLP(rngs=nnx.Rngs(5)),
-                optax.sgd(0.1),
-                "sparse_categorical_crossentropy",
-                from_logits=True,
-            )
+        own_trainer = small_trainer(own, seed=5, tx=optax.sgd(0.1))
         own_trainer.fit(ax, ay, batch_size=8, epochs=2, verbose=0, callbacks=[Reads()])
         own_trainer.fit(ax, ay, batch_size=8, epochs=2, verbose=0)
         own_trainer.evaluate(ax, ay, batch_size=32, callbacks=[Reads()])

@@ -209,6 +209,7 @@ class Evaluation:
         stacked = k > 1 and placed is None and steps is None
         # "auto": in-memory arrays from the host, no batch hooks, every batch: K measured.
         fixed = per_step or placed is not None or steps is not None or inputs is None
+        fixed |= _numerics.check_numerics_enabled()  # checked steps: one a program, as fit
         arrays, batch_size = inputs or ((), None)
         # As epochs of one fit from this pass on (each reads the dataset's first epoch).
         span = (0, 0, passes[1] - passes[0], None if fixed else len(dataset), batch_size)
