@@ -1,5 +1,5 @@
-"""`Trainer(steps_per_execution="auto")`, the default: how many training steps `fit` runs in
-one program, chosen from a measured step.
+"""`Trainer(steps_per_execution="auto")`, the default: how many steps `fit` (and, measured
+apart, `evaluate` and fit's validation) runs in one program, chosen from a measured step.
 
 A step dispatched from Python on its own pays a fixed cost (the dispatch, one batch placed at
 a time): on CPU a tenth to a third of a small model's step, more across simulated devices.
@@ -109,8 +109,8 @@ class _Epoch(Iterator[Any]):
 
 
 class AutoSteps:
-    """One `fit`'s batches under `steps_per_execution="auto"`. `ran(item)`, after each
-    dispatch, drives it: the first `1 + MEASURED_STEPS` steps run one at a time and are timed
+    """One `fit`'s (or evaluation's) batches under `steps_per_execution="auto"`. `ran(item)`,
+    after each dispatch, drives it: the first `1 + MEASURED_STEPS` steps run one at a time and are timed
     (`wait` waits for the last dispatched step), then the chosen K at a time (chunks of K,
     what is left of an epoch one batch a chunk: no program for another length); the first K
     execution after the one that built its program is timed against a step alone, and if

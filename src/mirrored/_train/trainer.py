@@ -81,11 +81,11 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
             `on_train_batch_begin` of each execution's first step and `on_train_batch_end`
             of its last, as in Keras. `evaluate` (and fit's validation) runs K steps per
             program too; `predict` runs one per program (its outputs go to the host every
-            batch; Keras runs K there as well). `"auto"` (the default; Keras' is 1): `fit`
-            on in-memory arrays that no callback reads batch by batch (the progress bar
-            aside) times its first steps and runs up to 32 per program when that pays
-            (same numbers; the choice is logged); otherwise, and in `evaluate` and
-            `predict`, one step per program. `1` asks for one step per program always.
+            batch; Keras runs K there as well). `"auto"` (the default; Keras' is 1): `fit` and
+            `evaluate` (and fit's validation) on in-memory arrays that no callback reads
+            batch by batch (the progress bar aside) time their first steps and run up to 32
+            per program when that pays (same numbers; the choice is logged); otherwise, and
+            in `predict`, one step per program. `1` asks for one step per program always.
         run_eagerly: Keras' argument: `fit`, `evaluate` and `predict` run their steps op by
             op, not compiled (`mirrored.config.run_functions_eagerly` for this trainer), for
             debugging with `print` and `breakpoint()` inside the loss or model; the same
@@ -130,7 +130,7 @@ class Trainer(FitLoop, Evaluation, KerasModelMethods):
                 "Trainer(..., run_eagerly=True) to debug the step op by op."
             )
         self.run_eagerly = run_eagerly
-        # 'auto': fit chooses per input (`auto_steps`); evaluate and predict run one per program.
+        # 'auto': fit and evaluate choose per input (`auto_steps`); predict runs one per program.
         self._auto_steps = _arguments.check_steps_per_execution(steps_per_execution)
         self.steps_per_execution = 1 if self._auto_steps else int(steps_per_execution)
         self.strategy = strategy or get_strategy()
