@@ -110,12 +110,12 @@ class _Epoch(Iterator[Any]):
 
 class AutoSteps:
     """One `fit`'s (or evaluation's) batches under `steps_per_execution="auto"`. `ran(item)`,
-    after each dispatch, drives it: the first `1 + MEASURED_STEPS` steps run one at a time and are timed
-    (`wait` waits for the last dispatched step), then the chosen K at a time (chunks of K,
-    what is left of an epoch one batch a chunk: no program for another length); the first K
-    execution after the one that built its program is timed against a step alone, and if
-    its steps are slower the fit goes back to one at a time (XLA can run a loop's body
-    slower than the step by itself)."""
+    after each dispatch, drives it: the first `1 + MEASURED_STEPS` steps run one at a time
+    and are timed (`wait` waits for the last dispatched step), then the chosen K at a time
+    (chunks of K, what is left of an epoch one batch a chunk: no program for another
+    length); the first K execution after the one that built its program is timed against a
+    step alone, and if its steps are slower the fit goes back to one at a time (XLA can run
+    a loop's body slower than the step by itself)."""
 
     def __init__(
         self,
