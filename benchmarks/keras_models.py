@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps-per-execution", type=int, default=32)
     args = parser.parse_args()
     mirrored.simulate_cpu_devices(args.devices)
 
@@ -61,7 +62,9 @@ def main() -> None:
     x = np.concatenate([b[0] for b in host])
     y = np.concatenate([b[1] for b in host])
 
-    def keras_model():
+    spe = args.steps_per_execution
+
+    def keras_model(steps_per_execution=1):
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [
@@ -73,6 +76,7 @@ def main() -> None:
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
         )
         return model
 
@@ -89,25 +93,28 @@ def main() -> None:
         devices = jax.devices()[:n]
         runners = {}
         strategy = mirrored.MirroredStrategy(devices)
-        with strategy.scope():
-            ours = keras_model()
-        runners["keras fit, mirrored"] = timed_fit(
-            lambda m=ours: m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-        )
-        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-        try:
-            native = keras_model()
-        finally:
-            keras.distribution.set_distribution(None)
-
-        def fit_native(m=native, devices=devices):
+        for k, tag in ((1, ""), (spe, f" spe={spe}")):
+            with strategy.scope():
+                ours = keras_model(k)
+            runners[f"keras fit{tag}, mirrored"] = timed_fit(
+                lambda m=ours: m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            )
             keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
             try:
-                m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+                native = keras_model(k)
             finally:
                 keras.distribution.set_distribution(None)
 
-        runners["keras fit, DataParallel"] = timed_fit(fit_native)
+            def fit_native(m=native, devices=devices):
+                keras.distribution.set_distribution(
+                    keras.distribution.DataParallel(devices=devices)
+                )
+                try:
+                    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+                finally:
+                    keras.distribution.set_distribution(None)
+
+            runners[f"keras fit{tag}, DataParallel"] = timed_fit(fit_native)
         with strategy.scope():
             trainer = mirrored.Trainer(
                 MLP((128,), rngs=nnx.Rngs(0)),
@@ -154,6 +161,13 @@ def main() -> None:
             **{f"{name} examples/s": round(v) for name, v in eps.items()},
             "keras_fit_vs_data_parallel": round(
                 eps["keras fit, mirrored"] / eps["keras fit, DataParallel"], 3
+            ),
+            f"keras_fit_spe{spe}_vs_data_parallel_spe{spe}": round(
+                eps[f"keras fit spe={spe}, mirrored"] / eps[f"keras fit spe={spe}, DataParallel"],
+                3,
+            ),
+            f"keras_fit_spe{spe}_vs_spe1": round(
+                eps[f"keras fit spe={spe}, mirrored"] / eps["keras fit, mirrored"], 3
             ),
             "keras_fit_vs_nnx_trainer": round(
                 eps["keras fit, mirrored"] / eps["nnx Trainer.fit"], 3

@@ -2,7 +2,8 @@
 
     python _mw_keras_script.py OUT_DIR
 
-Keras `fit` (ragged last batch) and the seeds' custom loop under MultiWorkerMirroredStrategy;
+Keras `fit` (ragged last batch; one step per program and `steps_per_execution=4`) and the
+seeds' custom loop under MultiWorkerMirroredStrategy;
 the chief writes the weights and losses to OUT_DIR/result.npz.
 """
 
@@ -43,6 +44,16 @@ def main(out=None):
         )
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
+    # compile(steps_per_execution=4): each process places its batches, K steps one program.
+    with strategy.scope():
+        fused = model_fn()
+        fused.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=4,
+        )
+    fused_history = fused.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
 
     with strategy.scope():
         loop_model = model_fn()
@@ -75,10 +86,12 @@ def main(out=None):
     if getattr(strategy, "is_chief", True):
         arrays = {f"fit/{i}": w for i, w in enumerate(model.get_weights())}
         arrays.update({f"loop/{i}": w for i, w in enumerate(loop_model.get_weights())})
+        arrays.update({f"fit_k4/{i}": w for i, w in enumerate(fused.get_weights())})
         np.savez(
             os.path.join(out, "result.npz"),
             loss=np.asarray(history["loss"]),
             accuracy=np.asarray(history["accuracy"]),
+            fit_k4_loss=np.asarray(fused_history["loss"]),
             evaluation=np.asarray(evaluation),
             loop_losses=np.asarray(losses),
             **arrays,

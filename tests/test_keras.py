@@ -118,6 +118,114 @@ def test_steps_per_execution_trains_and_evaluates_as_one_device(plain, devices):
     assert evaluation == pytest.approx(expected["evaluate"], abs=1e-5)
 
 
+@pytest.fixture
+def executions(monkeypatch):
+    """The K-step programs run (`strategy.run_steps`' call): how many steps each."""
+    from mirrored._run.runner import Runner
+
+    ran = []
+    call_steps = Runner.call_steps
+
+    def counted(self, fn, args, kwargs, batches):
+        ran.append(len(batches))
+        return call_steps(self, fn, args, kwargs, batches)
+
+    monkeypatch.setattr(Runner, "call_steps", counted)
+    return ran
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_steps_per_execution_runs_k_steps_in_one_program_with_one_steps_numbers(
+    replicas, devices, executions
+):
+    """Keras' K calls of the step per execution run as one program of K steps (9 batches an
+    epoch: 4 + 4 + the ragged one alone): Dropout draws, BatchNormalization's statistics,
+    sample weights, metrics and evaluate as one step per program; the batches stacked on
+    the host and placed once."""
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+
+    def trained(steps_per_execution):
+        with strategy.scope():
+            model = compile_sgd(
+                sequential(dropout=0.3, norm="local"), steps_per_execution=steps_per_execution
+            )
+        options = {"sample_weight": SAMPLE_WEIGHTS, "epochs": 2, "batch_size": 64}
+        history = model.fit(X, Y, shuffle=False, verbose=0, **options).history
+        evaluation = model.evaluate(X, Y, batch_size=64, verbose=0)
+        return model, history, evaluation
+
+    fused, fused_history, fused_evaluation = trained(4)
+    assert executions == [4, 4, 4, 4, 4, 4]  # two epochs, then evaluate's two
+    one, one_history, one_evaluation = trained(1)
+    assert len(executions) == 6
+    assert fused_history == one_history
+    assert fused_evaluation == one_evaluation
+    for a, b in zip(fused.get_weights(), one.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert fused.optimizer.iterations.numpy() == 18
+
+
+def test_steps_per_execution_over_batches_of_changing_shapes_runs_them_one_by_one(
+    devices, executions
+):
+    """A generator whose batches change length (sequences bucketed by length): an execution
+    of batches of two shapes runs them one step at a time, as Keras does; one of a single
+    shape (NumPy or not) runs as one program. The numbers of one step per program."""
+    keras.utils.set_random_seed(2)
+    rng = np.random.default_rng(4)
+    lengths = [5, 5, 5, 7, 7, 7, 7, 7, 3, 3]
+    data = [
+        (rng.normal(size=(16, t, 4)).astype("float32"), rng.integers(0, 3, 16)) for t in lengths
+    ]
+    strategy = mirrored.MirroredStrategy(devices)
+
+    def trained(steps_per_execution):
+        with strategy.scope():
+            keras.utils.set_random_seed(2)
+            model = keras.Sequential(
+                [
+                    keras.Input((None, 4)),
+                    keras.layers.Dense(8, activation="relu"),
+                    keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(3),
+                ]
+            )
+            compile_sgd(model, steps_per_execution=steps_per_execution)
+        model.fit((b for b in data), steps_per_epoch=len(data), shuffle=False, verbose=0)
+        return model
+
+    fused = trained(4)
+    assert executions == [4, 2]  # [5, 5, 5, 7]: one by one; [7, 7, 7, 7]; [3, 3]
+    for a, b in zip(fused.get_weights(), trained(1).get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_non_finite_step_under_check_numerics_keeps_the_weights_from_before_it(
+    devices, steps_per_execution
+):
+    """Infinity in batch 6 (of an execution of batches 4-7 at K = 4): NonFiniteError naming
+    step 6, and a model that reads as the 6 batches before it trained it (its variables were
+    given to the failed program: before, every read of them raised 'NoneType' object is not
+    callable)."""
+    bad = X.copy()
+    bad[6 * 64 + 3, 2] = np.inf
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        model = compile_sgd(sequential(), steps_per_execution=steps_per_execution)
+        reference = compile_sgd(sequential())
+    mirrored.debug.enable_check_numerics()
+    try:
+        with pytest.raises(mirrored.debug.NonFiniteError, match="at step 6 of"):
+            model.fit(bad, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    finally:
+        mirrored.debug.disable_check_numerics()
+    reference.fit(X[: 6 * 64], Y[: 6 * 64], batch_size=64, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert model.optimizer.iterations.numpy() == 6
+
+
 def test_a_compute_loss_override_counts_what_it_adds_once_as_on_one_device(plain, devices, caplog):
     """What the override adds by hand (the penalty, the constant) is the same on every
     replica: counted N times it would train with 8x its gradient, with no error."""
@@ -569,6 +677,9 @@ def test_multi_worker_fit_and_custom_loop_equal_one_process_with_as_many_devices
     assert set(one) == set(two)
     for name in two:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(two["fit_k4_loss"], two["loss"], rtol=1e-6)  # K steps a program
+    for name in [n for n in two if n.startswith("fit/")]:
+        np.testing.assert_allclose(two[name.replace("fit/", "fit_k4/")], two[name], atol=1e-6)
 
 
 def test_backup_and_restore_resumes_an_interrupted_fit_exactly(plain, tmp_path, devices):

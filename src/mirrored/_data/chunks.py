@@ -16,7 +16,7 @@ import math
 import mmap
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -171,14 +171,56 @@ def place(
     """`chunk` on the devices: each leaf (K, global batch, ...) split over the replicas on its
     second axis, each device's block gathered on its own and placed in one call (on CPU,
     without a copy); the masks and counts, few and small, cached in `masks`."""
+    spans = _spans(strategy, len(chunk.reals), chunk.size)
+    blocks = [gather(chunk, a - chunk.offset, b - chunk.offset) for a, b in spans.values()]
+    return _stacked(strategy, processes, masks, chunk, blocks)
+
+
+def place_batches(
+    strategy: Strategy, masks: dict[Any, Any], batches: Sequence[Any]
+) -> StackedBatches:
+    """K padded global batches (`input.HostBatch`es) of one process, each leaf of one shape
+    and dtype in every batch (Keras' batches, `compile(steps_per_execution=K)`), on the
+    devices as `place` puts a chunk: each device's rows of the K batches copied once into one
+    aligned block per leaf (no per-batch transfer, no stacking copy on the devices)."""
+    first = batches[0]
+    spans = _spans(strategy, len(batches), first.size)
+    blocks = []
+    for a, b in spans.values():
+        mine = []
+        for i, x in enumerate(first.leaves):
+            block = aligned_empty((len(batches), b - a, *np.shape(x)[1:]), x.dtype)
+            for k, batch in enumerate(batches):
+                block[k] = batch.leaves[i][a:b]
+            mine.append(block)
+        blocks.append(mine)
+    reals = tuple(int(b.real if b.real is not None else b.size) for b in batches)
+    rows = np.asarray([b.mask for b in batches])
+    chunk = HostChunk(first.treedef, first.leaves, rows, rows, reals, first.size, 0)
+    return _stacked(strategy, 1, masks, chunk, blocks)
+
+
+def _spans(strategy: Strategy, steps: int, size: int) -> dict[Any, tuple[int, int]]:
+    """Each of this process's devices' rows [begin, end) of a global batch of `size` rows
+    (one device: all of them)."""
+    by_step = NamedSharding(strategy._mesh, PartitionSpec(None, REPLICA_AXIS))
+    blocks = by_step.addressable_devices_indices_map((steps, size))
+    return {d: blocks[d][1].indices(size)[:2] for d in blocks}  # type: ignore[index]
+
+
+def _stacked(
+    strategy: Strategy,
+    processes: int,
+    masks: dict[Any, Any],
+    chunk: HostChunk,
+    blocks: list[list[np.ndarray]],
+) -> StackedBatches:
+    """`StackedBatches` of each device's `blocks` (one per leaf, in `_spans`' device order)
+    and the mask and counts of `chunk`."""
     by_step = NamedSharding(strategy._mesh, PartitionSpec(None, REPLICA_AXIS))
     steps = len(chunk.reals)
-    blocks = by_step.addressable_devices_indices_map((steps, chunk.size))
-    devices = list(blocks)
-    # Each device's rows of the global batch (one device: `slice(None)`, all of them).
-    spans = [blocks[d][1].indices(chunk.size)[:2] for d in devices]  # type: ignore[index]
-    gathered = [gather(chunk, a - chunk.offset, b - chunk.offset) for a, b in spans]
-    placed = jax.device_put(gathered, [[d] * len(chunk.sources) for d in devices])
+    devices = list(_spans(strategy, steps, chunk.size))
+    placed = jax.device_put(blocks, [[d] * len(chunk.sources) for d in devices])
     leaves: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(
             (steps, chunk.size, *np.shape(x)[1:]), by_step, [shard[i] for shard in placed]

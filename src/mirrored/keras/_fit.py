@@ -11,6 +11,7 @@ summed over replicas, and `predict` returns exactly the real rows, in order.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,8 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from mirrored._core import context as _context
 from mirrored._core import settings as config
 from mirrored._core.mesh import REPLICA_AXIS
+from mirrored._core.values import StackedBatches
+from mirrored._data import chunks as _chunks
 from mirrored._data import input as _input
 from mirrored._data.prefetch import Prefetcher
 from mirrored._run.array_step import Direct
@@ -50,6 +53,7 @@ class _Placer:
         # A full batch of NumPy arrays in one process, the common case, placed without
         # re-deriving what the first such batch established: its structure, mask and count.
         self._full: tuple[Any, Any, Any] | None = None  # (treedef, mask, count)
+        self._stacked_masks: dict[Any, Any] = {}  # K batches' masks and counts, by their rows
 
     def __call__(self, batch: Any) -> Any:
         full, target = self._full, self._target
@@ -60,6 +64,14 @@ class _Placer:
             ):
                 placed = self._dataset._to_devices(leaves, target)
                 return self._dataset._per_replica(treedef, placed, full[1], full[2])
+        host = self._host(batch)
+        placed = self._dataset._place(host)
+        if host.real == host.size and self._processes[0] == 1:
+            leaf = jax.tree.leaves(placed)[0]
+            self._full = (jax.tree.structure(batch), leaf._mask, leaf._count)
+        return placed
+
+    def _host(self, batch: Any) -> _input.HostBatch:
         target = self._target
         # A first batch of fewer rows than replicas (predict on 5 examples of a fresh model):
         # padded to one row per replica, without fixing the later batches' size by it.
@@ -70,11 +82,32 @@ class _Placer:
         )
         if self._target is None and not small:
             self._target = host.size
-        placed = self._dataset._place(host)
-        if host.real == host.size and self._processes[0] == 1:
-            leaf = jax.tree.leaves(placed)[0]
-            self._full = (jax.tree.structure(batch), leaf._mask, leaf._count)
-        return placed
+        return host
+
+    def chunk(self, batches: list[Any]) -> StackedBatches | list[Any]:
+        """Keras' next K host batches for one program: in one process, NumPy arrays of one
+        shape and dtype, stacked into one aligned block per leaf and device and placed in one
+        transfer (`chunks.place_batches`); else each placed as it comes (run as K steps of
+        one program when their shapes agree, one by one when not)."""
+        if len(batches) < 2 or self._processes[0] != 1:
+            return [self(b) for b in batches]
+        hosts = [self._host(b) for b in batches]
+        first = hosts[0]
+        if all(
+            h.treedef == first.treedef
+            and h.size == first.size
+            and all(
+                type(x) is np.ndarray and x.shape == f.shape and x.dtype == f.dtype
+                for x, f in zip(h.leaves, first.leaves, strict=True)
+            )
+            for h in hosts
+        ):
+            stacked = _chunks.place_batches(self._dataset._strategy, self._stacked_masks, hosts)
+            # One argument of the step (Keras' batch), not one per element of its tuple.
+            return StackedBatches(
+                stacked.treedef, stacked.leaves, stacked.mask, stacked.count, (stacked.first,)
+            )
+        return [self._dataset._place(h) for h in hosts]
 
 
 def _rows(x: Any) -> tuple[Any, Any]:
@@ -158,6 +191,33 @@ class _Step:
             groups.append(values[start : start + size])
             start += size
         return outputs, tuple(groups)
+
+    def execution(self, state: Any, batches: StackedBatches | list[Any]) -> tuple[Any, Any]:
+        """Keras' K steps of one execution (`compile(steps_per_execution=K)`, `_Placer.chunk`'s
+        batches) in one program: the last step's logs and the state after it, what Keras'
+        loop of K calls returns. Batches of different shapes run one by one, as Keras runs
+        them."""
+        if isinstance(batches, StackedBatches):
+            return self._steps(state, batches)
+        shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)) for batch in batches}
+        if len(batches) > 1 and len(shapes) == 1:
+            return self._steps(state, [(batch,) for batch in batches])
+        outputs = None
+        for batch in batches:
+            outputs, state = self(state, batch)
+        return outputs, state
+
+    def _steps(self, state: Any, batches: StackedBatches | list[Any]) -> tuple[Any, Any]:
+        flat = [x for group in state for x in group]
+        runner = self.strategy._step_runner()
+        self.bridge.pull(flat)
+        outputs = runner.call_steps(self.traced, (self.bridge.holder,), {}, batches)
+        values = self.bridge.values()
+        groups, start = [], 0
+        for size in self.sizes:
+            groups.append(values[start : start + size])
+            start += size
+        return _last(outputs), tuple(groups)
 
     def _full(self, flat: list[Any], batch: Any) -> tuple[Any, list[Any]]:
         runner = self.strategy._step_runner()
@@ -270,22 +330,38 @@ class _Step:
             slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
 
 
+def _executions(place: _Placer, iterator: Iterator[Any], k: int) -> Iterator[Any]:
+    """Keras' batches K at a time (fewer at the end), as its loop takes them per execution."""
+    while batches := list(itertools.islice(iterator, k)):
+        yield place.chunk(batches)
+
+
+@jax.jit
+def _last(outputs: Any) -> Any:
+    """The last step's entry of each of K steps' stacked outputs."""
+    return jax.tree.map(lambda x: x[-1], outputs)
+
+
 def _reattach(step: _Step, state: Any) -> None:
     """After a failed step: the state it was given back in the model's variables. Keras' loops
     detach them (`_purge_model_variables`) and reattach them only when the epoch ends, so an
     error in a step (a shape Keras' symbolic build let through, say) left a model whose every
-    variable read raised `'NoneType' object is not callable`."""
+    variable read raised `'NoneType' object is not callable`. A value the step consumed
+    (donated to its program) is replaced by what the runner last wrote in its place: with
+    `check_numerics`, the state from before the step that was not finite."""
     model = step.model
     groups = [model.trainable_variables, model.non_trainable_variables]
     if step.kind == "train":
         groups.append(model.optimizer.variables)
     if step.kind != "predict":
         groups.append(model.metrics_variables)
+    written = iter(step.bridge.values())
     for variables, values in zip(groups, state, strict=False):
-        for v, value in zip(variables, values, strict=False):
-            deleted = isinstance(value, jax.Array) and value.is_deleted()  # donated to the step
-            if v._value is None and not deleted:
-                v._value = value
+        for v, value, last in zip(variables, values, written, strict=False):
+            for candidate in (value, last):
+                deleted = isinstance(candidate, jax.Array) and candidate.is_deleted()
+                if v._value is None and not deleted:
+                    v._value = candidate
     model._jax_state = None
     model._jax_state_synced = True
 
@@ -400,15 +476,23 @@ def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterat
     # Not on CPU (measured: 0.87× on 2 cores; Keras skips its look-ahead there too), nor
     # across processes (placed in order on the calling thread, as distributed datasets are).
     prefetch = _input.process_info()[0] == 1 and jax.default_backend() != "cpu"
-    current: list[Any] = [None, None]  # Keras' iterator, its placed batches
+    current: list[Any] = [None, None, False]  # Keras' iterator, its placed batches, fused
 
     def function(state: Any, iterator: Iterator[Any]) -> Any:
         if current[0] is not iterator:
             if isinstance(current[1], Prefetcher):
                 current[1].close()
-            placed = map(step.place, iterator)
-            current[:] = [iterator, Prefetcher(placed, 2) if prefetch else placed]
+            # compile(steps_per_execution=K): Keras' K calls of the step become one program
+            # of K steps (Keras' JAX loop dispatches each; train and test, not predict).
+            k = int(model.steps_per_execution)
+            fused = kind != "predict" and k > 1 and not model.run_eagerly
+            placed: Iterator[Any] = (
+                _executions(step.place, iterator, k) if fused else map(step.place, iterator)
+            )
+            current[:] = [iterator, Prefetcher(placed, 2) if prefetch else placed, fused]
         try:
+            if current[2]:
+                return step.execution(state, next(current[1]))  # StopIteration: epoch's end
             return keras_step(state, current[1])
         except BaseException:
             _reattach(step, state)
