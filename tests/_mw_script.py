@@ -250,6 +250,9 @@ def main():
     same = stacked_losses == single_losses and len(single_losses) == 6
     same = same and all(np.array_equal(stacked_model[k], single_model[k]) for k in single_model)
     print(f"run_steps at once {at_once._steps} equal {same}", flush=True)
+    if jax.process_count() > 1:  # TensorFlow's testReduceHostTensor: each worker's value once
+        host_sum = strategy.reduce("SUM", 1.0 + jax.process_index(), axis=None)
+        print(f"host values summed {float(host_sum)}", flush=True)
 
     # 5d. steps_per_execution="auto" on several processes: every process runs the K the
     # chief's times chose, on the same steps; the numbers of one step per program. Then a

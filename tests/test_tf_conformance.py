@@ -90,8 +90,23 @@ def test_reduce_axis(strategy):
 
 # TF: tensorflow/python/distribute/strategy_common_test.py::DistributedCollectiveAllReduceStrategyTest.testReduceHostTensor
 def test_reduce_host_tensor(two):
-    # TF runs it on 2 workers x 1 device; here 2 local replicas.
-    assert float(two.reduce(mirrored.ReduceOp.SUM, jnp.asarray(1.0), axis=None)) == 2.0
+    """TF runs it on 2 workers x 1 device: each worker's host value once, 2.0 (here in the
+    2-process job, tests/_mw_script.py). On one worker of 2 replicas, TF's MirroredStrategy
+    (`reduce_non_distributed_value`) refuses SUM of one host value, N times counted, unless it
+    is zero; MEAN returns it; a value on every replica's device (run's output) sums N times."""
+    with pytest.raises(ValueError, match=r"found 1\.0 \(float\).*refuses to sum over 2.*Fix"):
+        two.reduce(mirrored.ReduceOp.SUM, 1.0, axis=None)
+    with pytest.raises(ValueError, match=r"found an array of shape \(3, 4\) \(ndarray\)"):
+        two.reduce("SUM", np.ones((3, 4), np.float32), axis=None)
+    with pytest.raises(ValueError, match="refuses to sum over 2"):
+        two.reduce("SUM", jnp.asarray(1.0), axis=None)  # on one device
+    np.testing.assert_array_equal(two.reduce("SUM", np.zeros(3), axis=None), np.zeros(3))
+    assert float(two.reduce(mirrored.ReduceOp.MEAN, jnp.asarray(1.0), axis=None)) == 1.0
+    assert float(two.reduce("SUM", jnp.asarray([1.0, 2.0]), axis=0)) == 6.0  # run per replica
+    mirrored_value = two.run(lambda: jax.lax.psum(1.0, "replica"))
+    assert float(two.reduce("SUM", mirrored_value, axis=None)) == 4.0
+    one = mirrored.MirroredStrategy(jax.devices()[:1])
+    assert float(one.reduce("SUM", 1.0, axis=None)) == 1.0
 
 
 # TF: tensorflow/python/distribute/strategy_common_test.py::DistributedCollectiveAllReduceStrategyTest.testReduceDeviceTensors

@@ -46,8 +46,14 @@ def test_mean_over_an_axis_divides_by_the_global_count(strategy):
 
 
 def test_reduce_of_a_mirrored_value_counts_every_replica(strategy):
-    assert float(strategy.reduce("SUM", np.float32(2.0))) == 16.0
+    """A value every replica's device holds (as run returns one the same on every replica)
+    sums N times; one host value is TensorFlow's error for SUM (MirroredStrategy's
+    reduce_non_distributed_value), returned as it is by MEAN."""
+    mirrored_value = jax.device_put(np.float32(2.0), strategy._replicated)
+    assert float(strategy.reduce("SUM", mirrored_value)) == 16.0
     assert float(strategy.reduce("MEAN", np.float32(2.0))) == 2.0
+    with pytest.raises(ValueError, match=r"found np.float32\(2.0\).*count it 8 times"):
+        strategy.reduce("SUM", np.float32(2.0))
 
 
 def test_reduce_rejects_bad_op_and_axis(strategy):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mirrored._core.devices import owning_processes
 from mirrored._core.values import PerReplica, ReduceOp, is_per_replica, to_host
 from mirrored._run.errors import peer_failures
 
@@ -144,6 +145,8 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
     def reduce_one(v: Any) -> jax.Array:
         if op is ReduceOp.MEAN and axis is None and getattr(v, "_share", False):
             _warn_mean_of_shares()
+        if op is ReduceOp.SUM and axis is None and not _on_every_replica(strategy, v):
+            return _sum_of_one_value(strategy, v)
         values = stacked(strategy, v)
         axes = _axes(axis, values.ndim - 1, values.shape[1:])
         mask = _mask_of(v)
@@ -153,6 +156,45 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
         return _reduce_stacked(values, op, axes)
 
     return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+def _on_every_replica(strategy: StrategyLike, value: Any) -> bool:
+    """Whether `value` is per replica or held by every replica's device (an output of
+    `strategy.run` the same on every replica, a mirrored variable's value): not one value
+    from the host."""
+    if isinstance(value, PerReplica) or strategy.num_replicas_in_sync == 1:
+        return True
+    if isinstance(value, jax.Array):
+        return value.sharding.device_set >= set(strategy._replicated.device_set)
+    return False
+
+
+def _sum_of_one_value(strategy: StrategyLike, value: Any) -> jax.Array:
+    """TensorFlow's SUM of a value that is not per replica (a Python number, a NumPy array,
+    an array on one device). On one process (`MirroredStrategy`'s
+    `reduce_non_distributed_value`): zeros for zeros, else an error, as it would count the
+    value N times. Over several processes (`MultiWorkerMirroredStrategy`, TensorFlow's
+    `testReduceHostTensor`): each process's value once, summed over the processes."""
+    host = np.asarray(value)
+    owners = owning_processes(strategy.extended.worker_devices)
+    if len(owners) > 1 and len(owners) == jax.process_count():
+        from jax.experimental import multihost_utils
+
+        with peer_failures():
+            every = np.asarray(multihost_utils.process_allgather(host))
+        return jnp.asarray(every.sum(axis=0), jax.dtypes.canonicalize_dtype(host.dtype))
+    if np.all(host == 0):
+        return jnp.zeros(host.shape, jax.dtypes.canonicalize_dtype(host.dtype))
+    n = strategy.num_replicas_in_sync
+    shown = repr(value) if host.size <= 8 else f"an array of shape {host.shape}"
+    where = "" if len(owners) == 1 else f" (a strategy over {len(owners)} of the processes)"
+    raise ValueError(
+        "Expected strategy.reduce('SUM', value, axis=None) to be given per-replica values "
+        f"(what strategy.run returns); found {shown} ({type(value).__name__}), one value "
+        f"that is not per replica, which TensorFlow refuses to sum over {n} replicas{where} "
+        f"(it would count it {n} times). Fix: reduce the PerReplica that strategy.run "
+        "returned, or use the value as it is ('MEAN' returns it unchanged)."
+    )
 
 
 _warned_shares: list[bool] = []
