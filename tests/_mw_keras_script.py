@@ -29,30 +29,29 @@ def model_fn():
     )
 
 
-def main(out=None):
-    out = out or sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    rng = np.random.default_rng(0)  # every worker holds the same arrays, as with tf.keras
-    x = rng.normal(size=(525, 20)).astype("float32")
-    y = rng.integers(0, 10, 525).astype("int32")
+def compiled_in_scope(steps_per_execution=1):
     with strategy.scope():
         model = model_fn()
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
         )
+    return model
+
+
+def main(out=None):
+    out = out or sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(0)  # every worker holds the same arrays, as with tf.keras
+    x = rng.normal(size=(525, 20)).astype("float32")
+    y = rng.integers(0, 10, 525).astype("int32")
+    model = compiled_in_scope()
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
     # compile(steps_per_execution=4): each process places its batches, K steps one program.
-    with strategy.scope():
-        fused = model_fn()
-        fused.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            steps_per_execution=4,
-        )
+    fused = compiled_in_scope(steps_per_execution=4)
     fused_history = fused.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history
 
     with strategy.scope():
