@@ -471,6 +471,50 @@ def test_full_eager(name):
     assert results == [[25.0, 36.0], [49.0, 64.0]]
 
 
+# TF: tensorflow/python/distribute/custom_training_loop_input_test.py::InputIterationTest.testGetNextAsOptional
+@pytest.mark.parametrize("name", UP_TO_TWO)
+def test_get_next_as_optional(name):
+    distribution = strategy_named(name)
+    dataset = batches(np.array([5.0, 6.0, 7.0, 8.0], np.float32), 2)
+    iterator = iter(distribution.experimental_distribute_dataset(dataset))
+
+    def train_step(data):
+        return jnp.square(data)
+
+    value = iterator.get_next_as_optional().get_value()
+    assert flattened(distribution, distribution.run(train_step, args=(value,))) == [25.0, 36.0]
+
+
+# TF: tensorflow/python/distribute/custom_training_loop_input_test.py::InputIterationTest.testGetNextAsOptionalExampleUsage
+@pytest.mark.parametrize("name", ["mirrored_1", "mirrored_2"])  # TF: a batch of 2
+def test_get_next_as_optional_example_usage(name):
+    """TF's loop: at most steps_per_loop steps, stopping when the optional is empty (8
+    examples at global batch 2: 4 steps of 6); then an empty optional's get_value is an error
+    naming the fix (TF: InvalidArgumentError). The ragged last batch included (7 examples)."""
+    distribution = strategy_named(name)
+    for examples, expected in (
+        (8, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        (7, [[0, 1], [2, 3], [4, 5], [6]]),
+    ):
+        distributed_iterator = iter(
+            distribution.experimental_distribute_dataset(
+                batches(np.arange(examples, dtype=np.int32), 2)
+            )
+        )
+        seen = []
+        for _ in range(6):
+            optional_data = distributed_iterator.get_next_as_optional()
+            if not optional_data.has_value():
+                break
+            out = distribution.run(lambda x: x, args=(optional_data.get_value(),))
+            seen.append(distribution.gather(out, axis=0).tolist())
+        assert seen == expected
+        empty = distributed_iterator.get_next_as_optional()
+        assert not empty.has_value()
+        with pytest.raises(ValueError, match="epoch has ended.*Fix: check optional.has_value"):
+            empty.get_value()
+
+
 # TF: tensorflow/python/distribute/custom_training_loop_input_test.py::InputIterationTest.testIterationOutsideFunction
 @pytest.mark.parametrize("name", ["one_device", "mirrored_2"])
 def test_iteration_outside_function_generator(name):

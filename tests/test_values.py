@@ -175,7 +175,7 @@ def test_tensorflow_iterator_and_per_replica_habits(strategy):
     with pytest.raises(AttributeError, match="experimental_local_results"):
         first.values  # noqa: B018
     with pytest.raises(AttributeError, match="get_next"):
-        iterator.get_next_as_optional  # noqa: B018
+        iterator.next_batch  # noqa: B018
 
 
 def test_the_scope_and_local_results_inside_a_step_act_as_in_tensorflow(strategy):

@@ -84,12 +84,50 @@ class Epoch(Iterator[Any]):
         end, where TensorFlow raises OutOfRangeError)."""
         return next(self)
 
+    def get_next_as_optional(self) -> Optional:
+        """TensorFlow's `iterator.get_next_as_optional()`: the next distributed batch in an
+        `Optional`, empty at the epoch's end (TensorFlow's input guide loops on it:
+        `while (optional := it.get_next_as_optional()).has_value(): ...`)."""
+        try:
+            return Optional(next(self))
+        except StopIteration:
+            return Optional()
+
     def __getattr__(self, name: str) -> Any:  # the prefetcher's `starved_s`, say
         source = self.__dict__.get("_source")
         if source is None or name.startswith("__") or not hasattr(source, name):
             raise AttributeError(
                 f"A distributed dataset's iterator has no attribute {name!r}. Fix: next(it) "
-                "or it.get_next() for the next batch; strategy.run_steps(step, it, steps=K) "
+                "or it.get_next() for the next batch (it.get_next_as_optional() at the "
+                "epoch's end without StopIteration); strategy.run_steps(step, it, steps=K) "
                 "for K of them."
             )
         return getattr(source, name)
+
+
+_EMPTY = object()
+
+
+class Optional:
+    """TensorFlow's `tf.experimental.Optional` of a distributed batch (what
+    `get_next_as_optional` returns): `has_value()`, then `get_value()`."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any = _EMPTY) -> None:
+        self._value = value
+
+    def has_value(self) -> bool:
+        return self._value is not _EMPTY
+
+    def get_value(self) -> Any:
+        if self._value is _EMPTY:
+            raise ValueError(
+                "Expected an Optional holding the next batch; found an empty one: the "
+                "iterator's epoch has ended (TensorFlow raises InvalidArgumentError here). "
+                "Fix: check optional.has_value() first, and stop the loop when it is False."
+            )
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Optional(has_value={self.has_value()})"
