@@ -252,7 +252,8 @@ def main():
     print(f"run_steps at once {at_once._steps} equal {same}", flush=True)
     if jax.process_count() > 1:  # TensorFlow's testReduceHostTensor: each worker's value once
         host_sum = strategy.reduce("SUM", 1.0 + jax.process_index(), axis=None)
-        print(f"host values summed {float(host_sum)}", flush=True)
+        host_mean = strategy.reduce("MEAN", np.float32(1.0 + jax.process_index()), axis=None)
+        print(f"host values summed {float(host_sum)} mean {float(host_mean)}", flush=True)
 
     # 5d. steps_per_execution="auto" on several processes: every process runs the K the
     # chief's times chose, on the same steps; the numbers of one step per program. Then a

@@ -24,6 +24,7 @@ from _helpers import keras_reference as _keras_reference
 from _helpers import subprocess_env
 from _keras_models import (
     BATCHES,
+    FIT,
     SAMPLE_WEIGHTS,
     TOKENS,
     TWO_OUTPUT_LABELS,
@@ -198,6 +199,24 @@ def test_steps_per_execution_over_batches_of_changing_shapes_runs_them_one_by_on
     assert executions == [4, 2]  # [5, 5, 5, 7]: one by one; [7, 7, 7, 7]; [3, 3]
     for a, b in zip(fused.get_weights(), trained(1).get_weights(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_steps_per_execution_over_the_chunk_bytes_runs_one_step_at_a_time(
+    devices, executions, monkeypatch
+):
+    """K batches over `chunks.CHUNK_BYTES` together are not stacked (host memory, and device
+    memory with an execution prefetched): one step a program, the same numbers."""
+    from mirrored._data import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)
+    strategy = mirrored.MirroredStrategy(devices)
+    with strategy.scope():
+        bounded = compile_sgd(sequential(), steps_per_execution=4)
+        one = compile_sgd(sequential())
+    assert bounded.fit(X, Y, **FIT).history == one.fit(X, Y, **FIT).history
+    assert executions == []
+    for a, b in zip(bounded.get_weights(), one.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 4])

@@ -158,8 +158,8 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path, devices,
     # run_steps over in-memory arrays gathers K batches at once on each process.
     assert "[rank 0] run_steps at once 3 equal True" in stdout
     assert "[rank 1] run_steps at once 3 equal True" in stdout
-    assert "[rank 0] host values summed 3.0" in stdout  # 1 + 2, not 4 replicas' copies
-    assert "[rank 1] host values summed 3.0" in stdout
+    assert "[rank 0] host values summed 3.0 mean 1.5" in stdout  # not 4 replicas' copies
+    assert "[rank 1] host values summed 3.0 mean 1.5" in stdout
     # steps_per_execution="auto": both processes ran the K the chief's times chose (the same
     # K, from the same measured step), with one step per program's numbers; a K found slower
     # by the chief sent both back to one step per program.

@@ -145,8 +145,10 @@ def reduce(strategy: StrategyLike, reduce_op: ReduceOp | str, value: Any, axis: 
     def reduce_one(v: Any) -> jax.Array:
         if op is ReduceOp.MEAN and axis is None and getattr(v, "_share", False):
             _warn_mean_of_shares()
-        if op is ReduceOp.SUM and axis is None and not _on_every_replica(strategy, v):
-            return _sum_of_one_value(strategy, v)
+        if axis is None and not _on_every_replica(strategy, v):
+            one_value = _reduce_one_value(strategy, op, v)
+            if one_value is not None:
+                return one_value
         values = stacked(strategy, v)
         axes = _axes(axis, values.ndim - 1, values.shape[1:])
         mask = _mask_of(v)
@@ -169,22 +171,33 @@ def _on_every_replica(strategy: StrategyLike, value: Any) -> bool:
     return False
 
 
-def _sum_of_one_value(strategy: StrategyLike, value: Any) -> jax.Array:
-    """TensorFlow's SUM of a value that is not per replica (a Python number, a NumPy array,
-    an array on one device). On one process (`MirroredStrategy`'s
-    `reduce_non_distributed_value`): zeros for zeros, else an error, as it would count the
-    value N times. Over several processes (`MultiWorkerMirroredStrategy`, TensorFlow's
-    `testReduceHostTensor`): each process's value once, summed over the processes."""
+def _reduce_one_value(strategy: StrategyLike, op: ReduceOp, value: Any) -> jax.Array | None:
+    """TensorFlow's reduction of a value that is not per replica (a Python number, a NumPy
+    array, an array on one device). Over several processes (`MultiWorkerMirroredStrategy`,
+    TensorFlow's `testReduceHostTensor`): each process's value once, reduced over the
+    processes (every process must pass such a value, of one shape and dtype). On one
+    process (`MirroredStrategy`'s `reduce_non_distributed_value`): SUM of zeros is zeros,
+    of anything else an error, as it would count the value N times; None for the other ops
+    (the value itself, as every replica held it)."""
     host = np.asarray(value)
+    dtype = jax.dtypes.canonicalize_dtype(host.dtype)
     owners = owning_processes(strategy.extended.worker_devices)
     if len(owners) > 1 and len(owners) == jax.process_count():
         from jax.experimental import multihost_utils
 
         with peer_failures():
             every = np.asarray(multihost_utils.process_allgather(host))
-        return jnp.asarray(every.sum(axis=0), jax.dtypes.canonicalize_dtype(host.dtype))
+        combined = {
+            ReduceOp.SUM: lambda: every.sum(axis=0),
+            ReduceOp.MEAN: lambda: every.mean(axis=0),
+            ReduceOp.MAX: lambda: every.max(axis=0),
+            ReduceOp.MIN: lambda: every.min(axis=0),
+        }[op]()
+        return jnp.asarray(combined, dtype)
+    if op is not ReduceOp.SUM:
+        return None
     if np.all(host == 0):
-        return jnp.zeros(host.shape, jax.dtypes.canonicalize_dtype(host.dtype))
+        return jnp.zeros(host.shape, dtype)
     n = strategy.num_replicas_in_sync
     shown = repr(value) if host.size <= 8 else f"an array of shape {host.shape}"
     where = "" if len(owners) == 1 else f" (a strategy over {len(owners)} of the processes)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,7 +43,7 @@ class _Placer:
 
     def __init__(self, strategy: Any) -> None:
         self._n = strategy.num_replicas_in_sync
-        self._processes = _input.process_info()
+        self._processes = _input.process_info(strategy)
         self._dataset = _input.DistributedDataset(
             strategy,
             lambda epoch: iter(()),
@@ -93,7 +94,7 @@ class _Placer:
             return [self(b) for b in batches]
         hosts = [self._host(b) for b in batches]
         first = hosts[0]
-        if all(
+        if _nbytes([h.leaves for h in hosts]) <= _chunks.CHUNK_BYTES and all(
             h.treedef == first.treedef
             and h.size == first.size
             and all(
@@ -195,12 +196,15 @@ class _Step:
     def execution(self, state: Any, batches: StackedBatches | list[Any]) -> tuple[Any, Any]:
         """Keras' K steps of one execution (`compile(steps_per_execution=K)`, `_Placer.chunk`'s
         batches) in one program: the last step's logs and the state after it, what Keras'
-        loop of K calls returns. Batches of different shapes run one by one, as Keras runs
-        them."""
+        loop of K calls returns. Batches of different structures or shapes, or K over
+        `chunks.CHUNK_BYTES` together, run one by one, as Keras runs them."""
         if isinstance(batches, StackedBatches):
             return self._steps(state, batches)
-        shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)) for batch in batches}
-        if len(batches) > 1 and len(shapes) == 1:
+        kinds = {
+            (jax.tree.structure(b), tuple((x.shape, x.dtype) for x in jax.tree.leaves(b)))
+            for b in batches
+        }
+        if len(batches) > 1 and len(kinds) == 1 and _nbytes(batches) <= _chunks.CHUNK_BYTES:
             return self._steps(state, [(batch,) for batch in batches])
         outputs = None
         for batch in batches:
@@ -330,6 +334,11 @@ class _Step:
             slot.set_raw_value(jnp.asarray(new, dtype=old.dtype))
 
 
+def _nbytes(tree: Any) -> int:
+    """Bytes of the arrays in `tree` (host or placed)."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _executions(place: _Placer, iterator: Iterator[Any], k: int) -> Iterator[Any]:
     """Keras' batches K at a time (fewer at the end), as its loop takes them per execution."""
     while batches := list(itertools.islice(iterator, k)):
@@ -355,9 +364,10 @@ def _reattach(step: _Step, state: Any) -> None:
         groups.append(model.optimizer.variables)
     if step.kind != "predict":
         groups.append(model.metrics_variables)
-    written = iter(step.bridge.values())
-    for variables, values in zip(groups, state, strict=False):
-        for v, value, last in zip(variables, values, written, strict=False):
+    written, start = step.bridge.values(), 0
+    for variables, values, size in zip(groups, state, step.sizes, strict=False):
+        last_written, start = written[start : start + size], start + size
+        for v, value, last in zip(variables, values, last_written, strict=False):
             for candidate in (value, last):
                 deleted = isinstance(candidate, jax.Array) and candidate.is_deleted()
                 if v._value is None and not deleted:
@@ -475,7 +485,7 @@ def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterat
     # split and placed one or two ahead, on a background thread, while the devices compute.
     # Not on CPU (measured: 0.87× on 2 cores; Keras skips its look-ahead there too), nor
     # across processes (placed in order on the calling thread, as distributed datasets are).
-    prefetch = _input.process_info()[0] == 1 and jax.default_backend() != "cpu"
+    prefetch = _input.process_info(strategy)[0] == 1 and jax.default_backend() != "cpu"
     current: list[Any] = [None, None, False]  # Keras' iterator, its placed batches, fused
 
     def function(state: Any, iterator: Iterator[Any]) -> Any:
@@ -489,7 +499,9 @@ def make_function(model: Any, strategy: Any, kind: str) -> Callable[[Any, Iterat
             placed: Iterator[Any] = (
                 _executions(step.place, iterator, k) if fused else map(step.place, iterator)
             )
-            current[:] = [iterator, Prefetcher(placed, 2) if prefetch else placed, fused]
+            # Two batches ahead, or one execution (K batches) ahead.
+            ahead = Prefetcher(placed, 1 if fused else 2) if prefetch else placed
+            current[:] = [iterator, ahead, fused]
         try:
             if current[2]:
                 return step.execution(state, next(current[1]))  # StopIteration: epoch's end
