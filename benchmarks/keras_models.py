@@ -7,7 +7,9 @@ epoch of `steps` batches from NumPy arrays (after a warm-up epoch; repeats inter
   same devices (Keras' native data parallelism on JAX);
 - `nnx Trainer.fit`: mirrored's NNX `Trainer` on the same model in Flax;
 - `keras custom loop` / `nnx custom loop`: `strategy.run` over pre-distributed batches,
-  TensorFlow's loop with the Keras model captured vs the NNX step taking it as arguments.
+  TensorFlow's loop with the Keras model captured vs the NNX step taking it as arguments;
+  and the Keras loop as `strategy.run_steps` of K steps a program over `iter(dataset)` of the
+  same arrays (K batches gathered at once), against the loop over batches already placed.
 Ratios: Keras fit (mirrored) / DataParallel and / NNX Trainer; Keras loop / NNX loop.
 
     python benchmarks/keras_models.py [--devices 8] [--steps 64] [--repeats 3]
@@ -145,7 +147,21 @@ def main() -> None:
                 )
             jax.block_until_ready(loss.global_value)
 
+        with strategy.scope():
+            steps_model = keras_model()
+            steps_optimizer = keras.optimizers.Adam(1e-3)
+        steps_step = _seeds_step(steps_model, steps_optimizer, loss_fn)
+
+        arrays = strategy.experimental_distribute_dataset((x, y), batch_size=batch)
+
+        def keras_steps(strategy=strategy, arrays=arrays, step=steps_step):
+            iterator = iter(arrays)  # the same arrays, K batches gathered at once on the host
+            while (out := strategy.run_steps(step, iterator, steps=spe)) is not None:
+                loss = out
+            jax.block_until_ready(loss.global_value)
+
         runners["keras custom loop"] = timed_fit(keras_loop)
+        runners[f"keras custom loop run_steps={spe}"] = timed_fit(keras_steps)
         runners["nnx custom loop"] = timed_fit(nnx_loop)
         for run in runners.values():
             run()  # warm-up: compile
@@ -173,6 +189,9 @@ def main() -> None:
                 eps["keras fit, mirrored"] / eps["nnx Trainer.fit"], 3
             ),
             "keras_loop_vs_nnx_loop": round(eps["keras custom loop"] / eps["nnx custom loop"], 3),
+            f"keras_run_steps{spe}_vs_keras_loop": round(
+                eps[f"keras custom loop run_steps={spe}"] / eps["keras custom loop"], 3
+            ),
         }
         results.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)

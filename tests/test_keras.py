@@ -428,7 +428,7 @@ def test_a_model_created_in_the_scope_trains_mirrored_when_compiled_outside_it(d
     assert _spans_all_devices(model, devices)
 
 
-def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False):
+def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False, steps=None):
     with strategy.scope():
         model = sequential(input_shape=False)
         optimizer = keras.optimizers.SGD(0.1)
@@ -449,7 +449,14 @@ def _custom_loop(strategy, *, loss_reduction=None, hand_mean=False):
         return loss
 
     losses, kernels = [], []
-    for inputs, labels in strategy.experimental_distribute_dataset(BATCHES[-5:]):
+    dataset = strategy.experimental_distribute_dataset(BATCHES[-5:])
+    if steps is not None:  # strategy.run_steps: K steps a program
+        iterator = iter(dataset)
+        while (out := strategy.run_steps(train_step, iterator, steps=steps)) is not None:
+            losses += np.asarray(strategy.reduce("SUM", out, axis=None)).tolist()
+            kernels.append(np.asarray(model.layers[0].kernel.value).copy())
+        return model, losses, kernels
+    for inputs, labels in dataset:
         per_replica = strategy.run(train_step, args=(inputs, labels))
         losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
         kernels.append(np.asarray(model.layers[0].kernel.value).copy())
@@ -464,6 +471,64 @@ def test_the_seeds_custom_loop_equals_train_on_batch_with_the_model_captured(pla
     # Read fresh every step, never a constant: the weights move at every step.
     assert all(np.max(np.abs(a - b)) > 1e-4 for a, b in itertools.pairwise(kernels))
     assert _spans_all_devices(model, devices)
+
+
+def test_run_steps_runs_the_seeds_custom_loop_k_steps_a_program(plain, devices):
+    """TensorFlow's `for _ in tf.range(K): strategy.run(step, args=(next(it),))` inside a
+    tf.function: `strategy.run_steps` over a step that captures a Keras model (built by its
+    first call, inside the program), optimizer and loss: train_on_batch's numbers, steps of
+    2, 2 and the ragged one."""
+    expected = plain["train_on_batch"]
+    model, losses, kernels = _custom_loop(mirrored.MirroredStrategy(devices), steps=2)
+    assert losses == pytest.approx(expected["losses"], abs=1e-5)
+    assert _max_diff(model.get_weights(), expected["weights"]) <= 1e-5
+    assert len(kernels) == 3 and _spans_all_devices(model, devices)
+
+
+@pytest.mark.parametrize("replicas", [8, 1])
+def test_run_steps_of_a_keras_step_carries_dropout_optimizer_and_metrics_as_run_does(
+    replicas, devices
+):
+    """Dropout draws, Adam's slots (made at its first apply, inside the program), a Keras
+    metric and the ragged last batch of in-memory arrays: run_steps with K = 4 gives what
+    strategy.run per batch gives, to the bit."""
+    strategy = mirrored.MirroredStrategy(devices[:replicas])
+    dataset = strategy.experimental_distribute_dataset((X, Y), batch_size=64)
+
+    def trained(steps):
+        with strategy.scope():
+            model = sequential(dropout=0.3)
+            optimizer = keras.optimizers.Adam(0.01)
+            loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+        def train_step(inputs, labels):
+            def compute_loss():
+                return loss_fn(labels, model(inputs, training=True))
+
+            loss, grads = mirrored.keras.value_and_grad(compute_loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            accuracy.update_state(labels, model(inputs, training=False))
+            return loss
+
+        losses = []
+        for epoch in (1, 2):
+            iterator = dataset.epoch_iterator(epoch)
+            if steps is None:
+                for inputs, labels in iterator:
+                    out = strategy.run(train_step, args=(inputs, labels))
+                    losses.append(float(strategy.reduce("SUM", out, axis=None)))
+                continue
+            while (out := strategy.run_steps(train_step, iterator, steps=steps)) is not None:
+                losses += np.asarray(strategy.reduce("SUM", out, axis=None)).tolist()
+        return losses, model.get_weights(), float(accuracy.result()), optimizer.iterations
+
+    per_step, stepped = trained(None), trained(4)
+    assert stepped[0] == per_step[0] and len(per_step[0]) == 18
+    for a, b in zip(stepped[1], per_step[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert stepped[2] == per_step[2]
+    assert int(stepped[3].numpy()) == int(per_step[3].numpy()) == 18
 
 
 def test_an_explicit_sum_reduction_is_left_as_written_with_padding_masked(plain, devices):

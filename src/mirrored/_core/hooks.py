@@ -56,10 +56,11 @@ class Extension(Protocol):
     def bind(self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any) -> Any:
         """Run `fn` with the framework's state it reaches as arguments, or `NOT_BOUND`."""
 
-    def reaches(
-        self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any
-    ) -> bool:
-        """Whether `fn` reaches the framework's state (which `run_steps` cannot bind yet)."""
+    def bind_steps(
+        self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any, batches: Any
+    ) -> Any:
+        """`run_steps`' K steps of `fn` over `batches` with the framework's state it reaches as
+        arguments, or `NOT_BOUND`."""
 
     def masked_trace_patches(self) -> Sequence[Callable[[], AbstractContextManager[None]]]:
         """Patches entered while the step of a padded batch is traced (Keras' metrics)."""

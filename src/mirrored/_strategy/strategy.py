@@ -293,12 +293,6 @@ class Strategy:
                 "Fix: iterator = iter(strategy.experimental_distribute_dataset(...)), made once "
                 "and passed to every call, so each call takes the next batches."
             )
-        if any(e.reaches(self._runner, fn, args, kwargs or {}) for e in hooks.extensions):
-            raise NotImplementedError(
-                "strategy.run_steps does not run Keras steps yet (their Keras variables "
-                "are bound per call of strategy.run). Fix: call strategy.run per step, or "
-                "use model.fit, whose steps_per_execution Keras handles."
-            )
         # `iter(dataset)` of in-memory arrays: K batches gathered at once.
         batches: Any = _epoch.ONE_AT_A_TIME
         if isinstance(iterator, _epoch.Epoch):
@@ -313,7 +307,12 @@ class Strategy:
                 batches = batches[0]
             else:
                 batches += itertools.islice(iterator, steps - 1)
-        out = self._runner.call_steps(fn, args, kwargs or {}, batches)
+        for extension in hooks.extensions:  # Keras, say: its state may be captured
+            out = extension.bind_steps(self._runner, fn, args, kwargs or {}, batches)
+            if out is not hooks.NOT_BOUND:
+                break
+        else:
+            out = self._runner.call_steps(fn, args, kwargs or {}, batches)
         return () if out is None else out  # steps ran: never None, which means "exhausted"
 
     # -- cross-replica operations -----------------------------------------------------------------

@@ -166,11 +166,24 @@ def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[
     return _after_lazy_builds(runner, fn, found, run)
 
 
-def reaches_keras(
-    runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-) -> bool:
-    """Whether `fn` reaches Keras state (captured or among its arguments)."""
-    return _lookup(runner, fn, args, kwargs)[2].step is not None
+def bind_steps(
+    runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], batches: Any
+) -> Any:
+    """`strategy.run_steps`: K steps of `fn` over `batches` in one program, its Keras state
+    carried from step to step as `run`'s is (TensorFlow's loop of `strategy.run` inside a
+    `tf.function`), or `hooks.NOT_BOUND` when it reaches none."""
+    if isinstance(fn, KerasStep | Explicit):
+        return hooks.NOT_BOUND
+    found = _lookup(runner, fn, args, kwargs)
+    if found[2].step is None:
+        return hooks.NOT_BOUND
+
+    def run(step: KerasStep) -> Any:
+        out = runner.call_steps(step, (step.bridge.holder, *args), kwargs, batches)
+        step.bridge.push()
+        return out
+
+    return _after_lazy_builds(runner, fn, found, run)
 
 
 def explicit(

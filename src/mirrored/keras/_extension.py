@@ -18,10 +18,10 @@ class KerasExtension:
     def bind(self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any) -> Any:
         return _bind.bind(runner, fn, args, kwargs)
 
-    def reaches(
-        self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any
-    ) -> bool:
-        return _bind.reaches_keras(runner, fn, args, kwargs)
+    def bind_steps(
+        self, runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any, batches: Any
+    ) -> Any:
+        return _bind.bind_steps(runner, fn, args, kwargs, batches)
 
     def masked_trace_patches(
         self,
