@@ -152,18 +152,7 @@ def _after_lazy_builds(
 
 def bind(runner: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Run `fn` with the Keras state it reaches, or `hooks.NOT_BOUND` when it reaches none."""
-    if isinstance(fn, KerasStep | Explicit):
-        return hooks.NOT_BOUND
-    found = _lookup(runner, fn, args, kwargs)
-    if found[2].step is None:
-        return hooks.NOT_BOUND
-
-    def run(step: KerasStep) -> Any:
-        out = runner.call(step, (step.bridge.holder, *args), kwargs)
-        step.bridge.push()
-        return out
-
-    return _after_lazy_builds(runner, fn, found, run)
+    return _bound(runner, fn, args, kwargs, lambda step, full: runner.call(step, full, kwargs))
 
 
 def bind_steps(
@@ -172,6 +161,21 @@ def bind_steps(
     """`strategy.run_steps`: K steps of `fn` over `batches` in one program, its Keras state
     carried from step to step as `run`'s is (TensorFlow's loop of `strategy.run` inside a
     `tf.function`), or `hooks.NOT_BOUND` when it reaches none."""
+
+    def steps(step: KerasStep, full: tuple[Any, ...]) -> Any:
+        return runner.call_steps(step, full, kwargs, batches)
+
+    return _bound(runner, fn, args, kwargs, steps)
+
+
+def _bound(
+    runner: Any,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    call: Callable[[KerasStep, tuple[Any, ...]], Any],
+) -> Any:
+    """`call(step, (holder, *args))` of `fn` made explicit, its Keras state written back after."""
     if isinstance(fn, KerasStep | Explicit):
         return hooks.NOT_BOUND
     found = _lookup(runner, fn, args, kwargs)
@@ -179,7 +183,7 @@ def bind_steps(
         return hooks.NOT_BOUND
 
     def run(step: KerasStep) -> Any:
-        out = runner.call_steps(step, (step.bridge.holder, *args), kwargs, batches)
+        out = call(step, (step.bridge.holder, *args))
         step.bridge.push()
         return out
 
