@@ -742,3 +742,39 @@ def test_evaluate_with_steps_per_execution_gives_the_same_numbers(replicas):
         assert logs[name] == pytest.approx(value, abs=1e-6)
     assert [b for b, _ in hooks.ends] == [2, 5, 8]  # 525 rows at 64: 9 steps, 3 per program
     assert hooks.ends[-1][1] == pytest.approx(logs["loss"], abs=1e-6)
+
+
+def test_per_example_outputs_of_run_steps_warn_that_they_keep_a_ragged_batchs_padding(
+    caplog,
+):
+    """run_steps stacks its outputs by step without the batches' masks: a per-example output
+    is said once per program (with the fix), a per-replica scalar is not; the padded rows of
+    the ragged last batch are indeed there (8 + 8 + 4 rows of 8)."""
+    strategy = mirrored.MirroredStrategy(jax.devices()[:8])
+    dataset = strategy.experimental_distribute_dataset(
+        np.arange(20, dtype=np.float32), batch_size=8
+    )
+
+    def doubled(x):
+        return x * 2
+
+    def summed(x):
+        return mirrored.get_replica_context().all_reduce("SUM", (x * 2).sum())
+
+    with caplog.at_level("WARNING", logger="mirrored"):
+        out = strategy.run_steps(doubled, iter(dataset), steps=3)
+        strategy.run_steps(doubled, iter(dataset), steps=3)  # the same program: said once
+        strategy.run_steps(summed, iter(dataset), steps=3)
+    said = [m for r in caplog.records if "without the batches' masks" in (m := r.getMessage())]
+    assert len(said) == 1 and "run_steps(doubled, steps=3)" in said[0] and "Fix:" in said[0]
+    assert strategy.gather(out, axis=1).shape == (3, 8)  # the third step's 4 padded rows too
+    # The Trainer's K-step programs return running sums, whatever their length (here each
+    # replica's rows, as many as the sums: no false alarm).
+    trainer = adam_trainer(8, steps_per_execution=4)
+    width = trainer._width
+    x = np.random.default_rng(0).normal(size=(8 * width * 9, 12)).astype(np.float32)
+    y = np.arange(len(x)) % 5
+    with caplog.at_level("WARNING", logger="mirrored"):
+        trainer.fit(x, y, batch_size=8 * width, epochs=1, verbose=0)
+        trainer.evaluate(x, y, batch_size=8 * width)
+    assert sum("without the batches' masks" in r.getMessage() for r in caplog.records) == 1

@@ -292,6 +292,9 @@ def compile_step(
                     )
                 if checking:  # after a non-finite step, the state stays as before it
                     new, failed = numerics._unless_non_finite(flags, new, state_k, failed)
+                said = quiet or getattr(fn, "not_per_example", False)  # the Trainer's sums
+                if mask_k is not None and expand is None and not said:
+                    _warn_unmasked_step_outputs(fn_name, steps, out, mask_k.shape[0])
                 return (new, failed), (jax.tree.map(_output_array, out), flags)
 
             (new_state, failed), (out, flags) = jax.lax.scan(
@@ -469,6 +472,30 @@ def compile_step(
         out_masked=per_example,
         **program_fields(),
     )
+
+
+def _warn_unmasked_step_outputs(fn_name: str, steps: Any, out: Any, rows: int) -> None:
+    """Once per program: `run_steps`' outputs are stacked by step, without the batches'
+    masks, so per-example outputs of a ragged (padded) batch keep its padded rows."""
+    per_example = [
+        x
+        for x in jax.tree.leaves(out)
+        if _context.is_varying(x) and getattr(x, "ndim", 0) >= 1 and x.shape[0] == rows
+    ]
+    if per_example:
+        logger.warning(
+            "strategy.run_steps(%s, steps=%s) returns per-example outputs (shape %s per "
+            "replica and step), stacked by step without the batches' masks: on a ragged last "
+            "batch they hold its padded rows (copies of real rows), which strategy.reduce or "
+            "strategy.gather over the rows would count (strategy.run's outputs carry the mask "
+            "and do not). Fix: reduce per-example values inside the step "
+            "(mirrored.compute_average_loss, or a sum weighted by "
+            "mirrored.get_replica_context().example_mask), or run the ragged last batch with "
+            "strategy.run.",
+            fn_name,
+            steps,
+            tuple(per_example[0].shape),
+        )
 
 
 def _defined_at(fn: Any, name: str) -> str:

@@ -160,6 +160,7 @@ def _additions(train_step: Callable[..., Any], width: int) -> Callable[..., Any]
         zeros = jnp.zeros((width,), jnp.float32)
         return train_step(model, optimizer, zeros, stateful, rngs, x, y, sample_weight)
 
+    train_additions.not_per_example = True  # type: ignore[attr-defined]  # run_steps: sums
     return train_additions
 
 
@@ -169,6 +170,7 @@ def _eval_additions(eval_step: Callable[..., Any], width: int) -> Callable[..., 
     def eval_additions(model: Any, stateful: Any, x: Any, y: Any, sample_weight: Any = None) -> Any:
         return eval_step(model, jnp.zeros((width,), jnp.float32), stateful, x, y, sample_weight)
 
+    eval_additions.not_per_example = True  # type: ignore[attr-defined]  # run_steps: sums
     return eval_additions
 
 
@@ -182,6 +184,7 @@ def _gathering(step: Callable[..., Any]) -> Callable[..., Any]:
         return step(*head, *batch)
 
     gathered.__name__ = getattr(step, "__name__", "train_step")
+    gathered.not_per_example = getattr(step, "not_per_example", False)  # type: ignore[attr-defined]
     return gathered
 
 
