@@ -173,7 +173,8 @@ def place(
     without a copy); the masks and counts, few and small, cached in `masks`."""
     spans = _spans(strategy, len(chunk.reals), chunk.size)
     blocks = [gather(chunk, a - chunk.offset, b - chunk.offset) for a, b in spans.values()]
-    return _stacked(strategy, processes, masks, chunk, blocks)
+    facts = (chunk.treedef, chunk.mask, chunk.reals, chunk.size)
+    return _stacked(strategy, processes, masks, blocks, *facts)
 
 
 def place_batches(
@@ -194,10 +195,9 @@ def place_batches(
                 block[k] = batch.leaves[i][a:b]
             mine.append(block)
         blocks.append(mine)
-    reals = tuple(int(b.real if b.real is not None else b.size) for b in batches)
-    rows = np.asarray([b.mask for b in batches])
-    chunk = HostChunk(first.treedef, first.leaves, rows, rows, reals, first.size, 0)
-    return _stacked(strategy, 1, masks, chunk, blocks)
+    mask = np.asarray([b.mask for b in batches])  # one process: each global batch's mask
+    reals = tuple(int(real) for real in mask.sum(axis=1))
+    return _stacked(strategy, 1, masks, blocks, first.treedef, mask, reals, first.size)
 
 
 def _spans(strategy: Strategy, steps: int, size: int) -> dict[Any, tuple[int, int]]:
@@ -212,44 +212,49 @@ def _stacked(
     strategy: Strategy,
     processes: int,
     masks: dict[Any, Any],
-    chunk: HostChunk,
     blocks: list[list[np.ndarray]],
+    treedef: Any,
+    mask: np.ndarray,
+    reals: tuple[int, ...],
+    size: int,
 ) -> StackedBatches:
-    """`StackedBatches` of each device's `blocks` (one per leaf, in `_spans`' device order)
-    and the mask and counts of `chunk`."""
+    """`StackedBatches` of each device's `blocks` (one (K, its rows, ...) block per leaf, in
+    `_spans`' device order): K global batches of `size` rows, `mask` this process's rows of
+    them, `reals` each one's real examples over every process (the device masks and counts,
+    few and small, cached in `masks`)."""
     by_step = NamedSharding(strategy._mesh, PartitionSpec(None, REPLICA_AXIS))
-    steps = len(chunk.reals)
-    devices = list(_spans(strategy, steps, chunk.size))
-    placed = jax.device_put(blocks, [[d] * len(chunk.sources) for d in devices])
+    steps = len(reals)
+    devices = list(_spans(strategy, steps, size))
+    placed = jax.device_put(blocks, [[d] * len(blocks[0]) for d in devices])
     leaves: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(
-            (steps, chunk.size, *np.shape(x)[1:]), by_step, [shard[i] for shard in placed]
+            (steps, size, *x.shape[2:]), by_step, [shard[i] for shard in placed]
         )
-        for i, x in enumerate(chunk.sources)
+        for i, x in enumerate(blocks[0])
     ]
-    key = ("chunk", chunk.size, chunk.reals, chunk.mask.tobytes())
+    key = ("chunk", size, reals, mask.tobytes())
     if key not in masks:
         if len(masks) > 16:
             masks.clear()
-        count = jax.device_put(np.asarray(chunk.reals, np.int32), strategy._replicated)
+        count = jax.device_put(np.asarray(reals, np.int32), strategy._replicated)
         if processes == 1:
-            mask = jax.device_put(chunk.mask, by_step)
+            on_devices = jax.device_put(mask, by_step)
         else:
-            mask = jax.make_array_from_process_local_data(by_step, chunk.mask, (steps, chunk.size))
-        masks[key] = (mask, count)
-    mask, count = masks[key]
+            on_devices = jax.make_array_from_process_local_data(by_step, mask, (steps, size))
+        masks[key] = (on_devices, count)
+    step_mask, count = masks[key]
     first, first_mask, first_count = _first_step(
-        leaves, mask, count, split=strategy._split, replicated=strategy._replicated
+        leaves, step_mask, count, split=strategy._split, replicated=strategy._replicated
     )
     n = strategy.num_replicas_in_sync
     batch = jax.tree.unflatten(
-        chunk.treedef,
+        treedef,
         [
             PerReplica(x, num_replicas=n, stacked=False, mask=first_mask, count=first_count)
             for x in first
         ],
     )
-    return StackedBatches(chunk.treedef, leaves, mask, count, batch)
+    return StackedBatches(treedef, leaves, step_mask, count, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("split", "replicated"))

@@ -187,13 +187,7 @@ def _reduce_one_value(strategy: StrategyLike, op: ReduceOp, value: Any) -> jax.A
 
         with peer_failures():
             every = np.asarray(multihost_utils.process_allgather(host))
-        combined = {
-            ReduceOp.SUM: lambda: every.sum(axis=0),
-            ReduceOp.MEAN: lambda: every.mean(axis=0),
-            ReduceOp.MAX: lambda: every.max(axis=0),
-            ReduceOp.MIN: lambda: every.min(axis=0),
-        }[op]()
-        return jnp.asarray(combined, dtype)
+        return jnp.asarray(_reduce_stacked(jnp.asarray(every, dtype), op, ()), dtype)
     if op is not ReduceOp.SUM:
         return None
     if np.all(host == 0):

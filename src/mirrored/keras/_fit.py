@@ -187,11 +187,12 @@ class _Step:
             outputs, values = done
         else:
             outputs, values = self._full(flat, batch)
-        groups, start = [], 0
-        for size in self.sizes:
-            groups.append(values[start : start + size])
-            start += size
-        return outputs, tuple(groups)
+        return outputs, self.grouped(values)
+
+    def grouped(self, values: list[Any]) -> tuple[list[Any], ...]:
+        """The step's values (the variables' order) as Keras' state groups."""
+        starts = list(itertools.accumulate(self.sizes, initial=0))
+        return tuple(values[a:b] for a, b in itertools.pairwise(starts))
 
     def execution(self, state: Any, batches: StackedBatches | list[Any]) -> tuple[Any, Any]:
         """Keras' K steps of one execution (`compile(steps_per_execution=K)`, `_Placer.chunk`'s
@@ -217,11 +218,7 @@ class _Step:
         self.bridge.pull(flat)
         outputs = runner.call_steps(self.traced, (self.bridge.holder,), {}, batches)
         values = self.bridge.values()
-        groups, start = [], 0
-        for size in self.sizes:
-            groups.append(values[start : start + size])
-            start += size
-        return _last(outputs), tuple(groups)
+        return _last(outputs), self.grouped(values)
 
     def _full(self, flat: list[Any], batch: Any) -> tuple[Any, list[Any]]:
         runner = self.strategy._step_runner()
@@ -244,10 +241,7 @@ class _Step:
     def traced(self, holder: _bridge.Holder, batch: Any) -> Any:
         slots = list(holder.slots)
         values = _bridge.fold_seeds([s.get_raw_value() for s in slots], self.seeds)
-        groups, start = [], 0
-        for size in self.sizes:
-            groups.append(values[start : start + size])
-            start += size
+        groups = self.grouped(values)
         model = self.model
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
         if self.kind == "predict":
@@ -359,14 +353,8 @@ def _reattach(step: _Step, state: Any) -> None:
     (donated to its program) is replaced by what the runner last wrote in its place: with
     `check_numerics`, the state from before the step that was not finite."""
     model = step.model
-    groups = [model.trainable_variables, model.non_trainable_variables]
-    if step.kind == "train":
-        groups.append(model.optimizer.variables)
-    if step.kind != "predict":
-        groups.append(model.metrics_variables)
-    written, start = step.bridge.values(), 0
-    for variables, values, size in zip(groups, state, step.sizes, strict=False):
-        last_written, start = written[start : start + size], start + size
+    groups, written = step.grouped(step.bridge.variables), step.grouped(step.bridge.values())
+    for variables, values, last_written in zip(groups, state, written, strict=False):
         for v, value, last in zip(variables, values, last_written, strict=False):
             for candidate in (value, last):
                 deleted = isinstance(candidate, jax.Array) and candidate.is_deleted()
